@@ -1,0 +1,148 @@
+"""Tree-size policies: how many of the proposed nodes are worth one verification forward.
+
+`CostAwareSizer` maximises expected committed tokens per second of a step,
+
+    value(n) = (1 + Σ_{i ≤ n} p̂_i) / (latency(n + 1) + overhead),
+
+over the n nodes with the largest estimated path-acceptance probability p̂ (the bonus token is the 1).
+p̂ is not trusted from proposers: `AcceptanceEstimator` learns, online, how often a node is accepted given
+that its parent was, per (source, depth, sibling rank, proposer-confidence bucket), with Beta posteriors
+that decay so they follow the current request. Posterior samples (Thompson sampling) rather than means
+keep it exploring, so a source that stopped being tried can come back. When nothing pays for its cost,
+n = 0 and the step is plain decoding: speculation never makes decoding markedly slower than `ar`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rasd.decoding.cost import CostCurve
+from rasd.decoding.tree import DraftTree
+
+Key = tuple[str, int, int, int]
+
+
+@dataclass
+class AcceptanceEstimator:
+    """Beta(α, β) posteriors of P(node accepted | parent accepted)."""
+
+    prior: tuple[float, float] = (1.0, 1.0)
+    decay: float = 0.98
+    max_depth: int = 8
+    max_rank: int = 2
+    seed: int = 0
+    thompson: bool = True
+    counts: dict[Key, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def key(self, tree: DraftTree, node: int, depth: int, rank: int) -> Key:
+        """Bucket a node by source, depth, rank among its siblings and the proposer's local confidence."""
+        parent = tree.parents[node]
+        parent_score = tree.scores[parent] if parent > 0 else 1.0
+        local = tree.scores[node] / parent_score if parent_score > 0 else 0.0
+        confidence = min(int(max(local, 0.0) * 4), 3)
+        return (tree.sources[node], min(depth, self.max_depth), min(rank, self.max_rank), confidence)
+
+    def rate(self, key: Key) -> float:
+        """A posterior sample (or the mean when `thompson` is off)."""
+        a, b = self.counts.get(key, self.prior)
+        if self.thompson:
+            return self._rng.betavariate(a, b)
+        return a / (a + b)
+
+    def node_keys(self, tree: DraftTree) -> list[Key | None]:
+        """The bucket of every node (None for the root)."""
+        depths = tree.depths()
+        rank_of: dict[int, int] = {}
+        seen: dict[int, int] = {}
+        for i in range(1, len(tree)):
+            parent = tree.parents[i]
+            rank_of[i] = seen.get(parent, 0)
+            seen[parent] = rank_of[i] + 1
+        return [None] + [self.key(tree, i, depths[i], rank_of[i]) for i in range(1, len(tree))]
+
+    def path_probs(self, tree: DraftTree) -> list[float]:
+        """p̂ for every node: product of the sampled conditional rates along its path (root = 1)."""
+        keys = self.node_keys(tree)
+        rates: dict[Key, float] = {}
+        probs = [1.0] * len(tree)
+        for i in range(1, len(tree)):
+            k = keys[i]
+            assert k is not None
+            if k not in rates:
+                rates[k] = self.rate(k)
+            probs[i] = probs[tree.parents[i]] * rates[k]
+        return probs
+
+    def update(self, tree: DraftTree, accepted: list[int]) -> None:
+        """Learn from a verified tree: every child of the root or of an accepted node was 'tried'."""
+        for key, a_b in self.counts.items():
+            a_b[0] = self.prior[0] + (a_b[0] - self.prior[0]) * self.decay
+            a_b[1] = self.prior[1] + (a_b[1] - self.prior[1]) * self.decay
+        on_path = {0, *accepted}
+        keys = self.node_keys(tree)
+        for i in range(1, len(tree)):
+            if tree.parents[i] in on_path:
+                k = keys[i]
+                assert k is not None
+                a_b = self.counts.setdefault(k, list(self.prior))
+                a_b[0 if i in on_path else 1] += 1.0
+
+
+class FixedSizer:
+    """Keep at most `max_nodes` nodes by proposer score: no cost model (for tests and GPUs)."""
+
+    def __init__(self, max_nodes: int = 32):
+        self.max_nodes = max_nodes
+
+    def budget(self, context_len: int) -> int:
+        return self.max_nodes
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        return tree.top_nodes(self.max_nodes)
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float) -> None:
+        """Fixed sizing learns nothing."""
+
+
+class CostAwareSizer:
+    """Choose the tree size that maximises expected tokens per second against the measured cost curve."""
+
+    def __init__(self, curve_for: Callable[[int], CostCurve], max_nodes: int = 64,
+                 estimator: AcceptanceEstimator | None = None):
+        self.curve_for = curve_for          # context length -> cost curve (cached per bucket)
+        self.max_nodes = max_nodes
+        self.estimator = estimator or AcceptanceEstimator()
+        self.overhead_s = 0.0               # EMA of step time spent outside the target forward
+        self.last_choice: tuple[int, int] = (0, 0)   # (nodes offered, nodes kept), for statistics
+
+    def budget(self, context_len: int) -> int:
+        """Largest tree worth asking proposers for: bounded by the curve and by `max_nodes`."""
+        return min(self.max_nodes, self.curve_for(context_len).max_tokens - 1)
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        """The prefix-closed subtree of the best size (possibly just the root)."""
+        if tree.num_draft_tokens == 0:
+            self.last_choice = (0, 0)
+            return tree
+        curve = self.curve_for(context_len)
+        probs = self.estimator.path_probs(tree)
+        ranked = sorted(range(1, len(tree)), key=lambda i: (-probs[i], i))
+        limit = min(len(ranked), self.budget(context_len))
+        best_n, best_value, gain = 0, 1.0 / (curve.latency(1) + self.overhead_s), 1.0
+        for n in range(1, limit + 1):
+            gain += probs[ranked[n - 1]]
+            value = gain / (curve.latency(n + 1) + self.overhead_s)
+            if value > best_value:
+                best_n, best_value = n, value
+        self.last_choice = (tree.num_draft_tokens, best_n)
+        return tree.subtree(ranked[:best_n])
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float) -> None:
+        """Update acceptance posteriors and the per-step overhead estimate."""
+        self.estimator.update(tree, accepted)
+        self.overhead_s = overhead_s if self.overhead_s == 0 else 0.9 * self.overhead_s + 0.1 * overhead_s

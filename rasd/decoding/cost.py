@@ -1,0 +1,143 @@
+"""The target's verification cost curve: forward latency against the number of tree tokens.
+
+On this CPU a 64-token tree costs about 3x one token; on a GPU almost the same as one. Tree sizing is only
+sensible against the real curve of the real model on the real device, so it is measured once per
+(model, device, dtype, torch threads, context bucket) and cached as JSON under `$RASD_HOME/cost/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from bisect import bisect_left
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from rasd.decoding.cache import TreeCache
+from rasd.decoding.models import rasd_home
+from rasd.decoding.tree import DraftTree
+from rasd.decoding.verify import cache_kwargs, tree_forward
+
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+CONTEXT_BUCKETS = (256, 1024, 4096)
+
+
+@dataclass
+class CostCurve:
+    """Median forward latency (seconds) for trees of `sizes` tokens (root included)."""
+
+    key: str
+    context_len: int
+    sizes: list[int]
+    latency_s: list[float]
+
+    def latency(self, n_tokens: int) -> float:
+        """Interpolated latency of a forward over `n_tokens` tree tokens (linear beyond the last size)."""
+        n = max(1, n_tokens)
+        i = bisect_left(self.sizes, n)
+        if i < len(self.sizes) and self.sizes[i] == n:
+            return self.latency_s[i]
+        if i == 0:
+            return self.latency_s[0]
+        if i == len(self.sizes):
+            i = len(self.sizes) - 1
+        x0, x1 = self.sizes[i - 1], self.sizes[i]
+        y0, y1 = self.latency_s[i - 1], self.latency_s[i]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sizes[-1]
+
+    def relative(self) -> list[float]:
+        """Latency of each size over the latency of one token (what a person wants to see)."""
+        return [lat / self.latency_s[0] for lat in self.latency_s]
+
+
+def context_bucket(context_len: int) -> int:
+    """The measured bucket for a context length (smallest bucket that holds it, else the largest)."""
+    for bucket in CONTEXT_BUCKETS:
+        if context_len <= bucket:
+            return bucket
+    return CONTEXT_BUCKETS[-1]
+
+
+def curve_key(model: torch.nn.Module, name: str, device: str, dtype: str, bucket: int) -> str:
+    """Cache key: a model identity (name + config hash), device, dtype, threads and context bucket."""
+    cfg = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    digest = hashlib.sha256(cfg.encode()).hexdigest()[:10]
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[-40:]
+    return f"{safe}-{digest}-{device.replace(':', '')}-{dtype}-t{torch.get_num_threads()}-ctx{bucket}"
+
+
+@torch.inference_mode()
+def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ...] = DEFAULT_SIZES,
+                  repeats: int = 3, key: str = "", progress: bool = True) -> CostCurve:
+    """Time tree verification forwards of each size on top of a `context_len`-token cache.
+
+    A chain tree is used: the mask shape, not its pattern, decides the cost. The median of `repeats`
+    after one warm-up is kept, and latencies are made non-decreasing (noise must not make a bigger tree
+    look cheaper than a smaller one).
+    """
+    device = next(model.parameters()).device
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(0, vocab, (1, context_len), generator=gen).to(device)
+    cache = TreeCache.for_model(model)
+    model(input_ids=context, use_cache=True, **cache_kwargs(model, cache))
+    latencies: list[float] = []
+    for size in tqdm(sizes, desc="measuring verification cost curve", disable=not progress, leave=False):
+        tree = DraftTree.chain(1, [int(t) for t in torch.randint(0, vocab, (size - 1,), generator=gen)], "probe")
+        times = []
+        for rep in range(repeats + 1):
+            _sync(device)
+            t0 = time.perf_counter()
+            tree_forward(model, cache, tree)
+            _sync(device)
+            if rep:
+                times.append(time.perf_counter() - t0)
+            cache.crop(-size)
+        latencies.append(statistics.median(times))
+    for i in range(1, len(latencies)):
+        latencies[i] = max(latencies[i], latencies[i - 1])
+    return CostCurve(key=key, context_len=context_len, sizes=list(sizes), latency_s=latencies)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_or_measure(model: torch.nn.Module, name: str, device: str, dtype: str, context_len: int,
+                    cache_dir: Path | None = None) -> CostCurve:
+    """The cached curve for this (model, device, dtype, threads, bucket), measuring it on first use."""
+    bucket = context_bucket(context_len)
+    key = curve_key(model, name, device, dtype, bucket)
+    folder = cache_dir or (rasd_home() / "cost")
+    path = folder / f"{key}.json"
+    if path.exists():
+        try:
+            return CostCurve(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            pass   # a corrupt file is re-measured, never trusted
+    curve = measure_curve(model, bucket, key=key)
+    _atomic_write_json(path, asdict(curve))
+    return curve
+
+
+def _atomic_write_json(path: Path, data: dict) -> None:
+    """Write to a temporary file, fsync, rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

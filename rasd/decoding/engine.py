@@ -1,0 +1,229 @@
+"""SpeculativeDecoder: prefill, then propose → size → verify → commit until a stop condition.
+
+Stop conditions (EOS, stop strings, max_new_tokens, the model's context) are applied inside an accepted
+block: a step may accept several tokens at once, and nothing past the stop point is ever emitted.
+Committed tokens are streamed as soon as a step accepts them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rasd.decoding.cache import TreeCache
+from rasd.decoding.control import CostAwareSizer, FixedSizer
+from rasd.decoding.cost import load_or_measure
+from rasd.decoding.proposers import Proposer, make_proposer
+from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
+from rasd.decoding.stats import DecodeStats
+from rasd.decoding.tree import DraftTree
+from rasd.decoding.verify import cache_kwargs, verify
+
+
+@dataclass
+class GenerationOutput:
+    """New tokens (EOS included when produced, like HF), the decoded text, why it stopped, statistics."""
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str     # "eos" | "length" | "stop"
+    stats: DecodeStats
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+
+class _StopChecker:
+    """Cuts a block of new tokens at EOS, max_new_tokens or a stop string."""
+
+    def __init__(self, max_new_tokens: int, eos_ids: set[int], stop: list[str], tokenizer: Any):
+        if stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.max_new, self.eos_ids, self.stop, self.tokenizer = max_new_tokens, eos_ids, stop, tokenizer
+        self.text_end: int | None = None   # where the text is cut when a stop string matched
+
+    def cut(self, generated: list[int], block: list[int]) -> tuple[list[int], str | None]:
+        """The part of `block` to commit after `generated`, and a finish reason if generation ends."""
+        out: list[int] = []
+        for tok in block:
+            out.append(tok)
+            if tok in self.eos_ids:
+                return out, "eos"
+            if len(generated) + len(out) >= self.max_new:
+                return out, self._stop_in(generated, out) or "length"
+        reason = self._stop_in(generated, out)
+        return (self._trim_to_stop(generated, out), reason) if reason else (out, None)
+
+    def _stop_in(self, generated: list[int], block: list[int]) -> str | None:
+        if not self.stop:
+            return None
+        text = self.tokenizer.decode(generated + block, skip_special_tokens=True)
+        hits = [text.find(s) for s in self.stop if s in text]
+        if not hits:
+            return None
+        self.text_end = min(hits)
+        return "stop"
+
+    def _trim_to_stop(self, generated: list[int], block: list[int]) -> list[int]:
+        """Shortest prefix of `block` whose text already contains the stop string."""
+        for k in range(1, len(block) + 1):
+            text = self.tokenizer.decode(generated + block[:k], skip_special_tokens=True)
+            if any(s in text for s in self.stop):
+                return block[:k]
+        return block
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding of one request at a time with any proposer."""
+
+    def __init__(self, model: torch.nn.Module, proposer: Proposer, *, tokenizer: Any = None,
+                 sizer: CostAwareSizer | FixedSizer | None = None, max_context: int | None = None,
+                 method: str | None = None):
+        self.model = model
+        self.proposer = proposer
+        self.tokenizer = tokenizer
+        self.sizer = sizer or FixedSizer()
+        self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 2048))
+        self.method = method or getattr(proposer, "name", type(proposer).__name__)
+        self.device = next(model.parameters()).device
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+                 eos_token_ids: set[int] | None = None, stop: list[str] | None = None,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationOutput:
+        """Decode to completion; `on_tokens` is called with every committed block (streaming)."""
+        stream = self.stream(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop)
+        for block in stream:
+            if on_tokens is not None:
+                on_tokens(block)
+        return stream.output
+
+    def stream(self, prompt_ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+               eos_token_ids: set[int] | None = None, stop: list[str] | None = None) -> GenerationStream:
+        """An iterator of committed token blocks; its `.output` is set when it is exhausted."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
+        checker = _StopChecker(max_new_tokens, set(eos_token_ids or ()), list(stop or []), self.tokenizer)
+        return GenerationStream(self, list(prompt_ids), sampling or GREEDY, checker)
+
+
+class GenerationStream:
+    """The step loop as an iterator, so callers can stream tokens as they are committed."""
+
+    def __init__(self, decoder: SpeculativeDecoder, prompt_ids: list[int], sampling: SamplingParams,
+                 checker: _StopChecker):
+        self.decoder, self.prompt_ids, self.sampling, self.checker = decoder, prompt_ids, sampling, checker
+        self.output: GenerationOutput | None = None  # type: ignore[assignment]
+        self._iter = self._run()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self
+
+    def __next__(self) -> list[int]:
+        return next(self._iter)
+
+    @torch.inference_mode()
+    def _run(self) -> Iterator[list[int]]:
+        dec, sampling = self.decoder, self.sampling
+        stats = DecodeStats(method=dec.method, prompt_tokens=len(self.prompt_ids))
+        gen = None if sampling.greedy else sampling.generator()
+        t_start = time.perf_counter()
+        cache = TreeCache.for_model(dec.model)
+        dec.proposer.start(self.prompt_ids, sampling)
+        first = self._prefill(cache, gen)
+        context, generated = self.prompt_ids + [first], [first]
+        _, reason = self.checker.cut([], [first])
+        stats.prefill_time_s = time.perf_counter() - t_start
+        yield [first]
+        while reason is None:
+            if len(context) >= dec.max_context:
+                reason = "length"
+                break
+            block, reason = self._step(cache, context, generated, stats, gen)
+            context += block
+            generated += block
+            if block:
+                yield block
+        stats.new_tokens = len(generated)
+        stats.finish_reason = reason
+        stats.total_time_s = time.perf_counter() - t_start
+        self.output = GenerationOutput(token_ids=generated, text=self._text(generated), finish_reason=reason,
+                                       stats=stats)
+
+    def _prefill(self, cache: TreeCache, gen: torch.Generator | None) -> int:
+        """Run the prompt through the target; the last position's logits give the first new token."""
+        dec = self.decoder
+        ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=dec.device)
+        out = dec.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(dec.model, cache))
+        return next_token(out.logits[0, -1].float(), self.sampling, gen)
+
+    def _step(self, cache: TreeCache, context: list[int], generated: list[int], stats: DecodeStats,
+              gen: torch.Generator | None) -> tuple[list[int], str | None]:
+        """One propose → size → verify → commit round; returns the committed block and a finish reason."""
+        dec = self.decoder
+        t0 = time.perf_counter()
+        room = dec.max_context - len(context) - 1
+        budget = min(dec.sizer.budget(len(context)), room)
+        tree = dec.proposer.propose(context, budget) if budget > 0 else DraftTree.root_only(context[-1])
+        tree = dec.sizer.cut(tree, len(context)).top_nodes(max(budget, 0))
+        t1 = time.perf_counter()
+        verdict, logits = verify(dec.model, cache, tree, self.sampling, gen)
+        t2 = time.perf_counter()
+        block, reason = self.checker.cut(generated, verdict.new_tokens(tree))
+        stats.record_step(tree.sources[1:], [tree.sources[i] for i in verdict.accepted], tree.num_draft_tokens)
+        dec.proposer.observe(context + block, tree, verdict, logits)
+        t3 = time.perf_counter()
+        dec.sizer.observe(tree, verdict.accepted, (t1 - t0) + (t3 - t2))
+        stats.draft_time_s += t1 - t0
+        stats.verify_time_s += t2 - t1
+        stats.bookkeeping_time_s += time.perf_counter() - t2
+        return block, reason
+
+    def _text(self, generated: list[int]) -> str | None:
+        tok = self.decoder.tokenizer
+        if tok is None:
+            return None
+        text = tok.decode(generated, skip_special_tokens=True)
+        return text[: self.checker.text_end] if self.checker.text_end is not None else text
+
+
+def build_decoder(target: Any, method: str, draft: Any = None, sizing: str = "cost", max_nodes: int = 64,
+                  **proposer_options: Any) -> SpeculativeDecoder:
+    """A decoder for a LoadedModel and a method name, with cost-aware sizing against its measured curve.
+
+    `sizing="fixed"` skips the cost model (keeps up to `max_nodes` nodes by proposer score).
+    """
+    proposer = make_proposer(method, draft_model=None if draft is None else draft.model, **proposer_options)
+    if method == "ar":
+        sizer: CostAwareSizer | FixedSizer = FixedSizer(0)
+    elif sizing == "fixed":
+        sizer = FixedSizer(max_nodes)
+    elif sizing == "cost":
+        sizer = CostAwareSizer(_curve_provider(target), max_nodes=max_nodes)
+    else:
+        raise ValueError(f"unknown sizing {sizing!r}; choose cost or fixed")
+    return SpeculativeDecoder(target.model, proposer, tokenizer=target.tokenizer, sizer=sizer,
+                              max_context=target.max_context, method=method)
+
+
+def _curve_provider(target: Any) -> Callable[[int], Any]:
+    """Memoised context length → cost curve for this target (measured once per bucket, cached on disk)."""
+    memo: dict[int, Any] = {}
+
+    def curve_for(context_len: int) -> Any:
+        from rasd.decoding.cost import context_bucket
+
+        bucket = context_bucket(context_len)
+        if bucket not in memo:
+            memo[bucket] = load_or_measure(target.model, target.name, target.device, target.dtype, context_len)
+        return memo[bucket]
+
+    return curve_for

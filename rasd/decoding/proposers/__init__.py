@@ -1,0 +1,29 @@
+"""Proposers, one per file, all behind the small `Proposer` protocol; `make_proposer` picks one by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rasd.decoding.proposers.ar import NoDraftProposer
+from rasd.decoding.proposers.base import Proposer
+from rasd.decoding.proposers.draft import DraftModelProposer
+from rasd.decoding.proposers.pld import PromptLookupProposer
+
+METHODS = ("ar", "pld", "draft")
+
+
+def make_proposer(method: str, draft_model: Any = None, **options: Any) -> Proposer:
+    """Build the proposer for a method name; a clear error for unknown names or missing draft models."""
+    if method == "ar":
+        return NoDraftProposer()
+    if method == "pld":
+        return PromptLookupProposer(**options)
+    if method == "draft":
+        if draft_model is None:
+            raise ValueError("method 'draft' needs a draft model (--draft-model) sharing the target's tokenizer")
+        return DraftModelProposer(draft_model, **options)
+    raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+__all__ = ["METHODS", "DraftModelProposer", "NoDraftProposer", "PromptLookupProposer", "Proposer",
+           "make_proposer"]

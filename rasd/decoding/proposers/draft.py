@@ -1,0 +1,123 @@
+"""`draft`: a small causal LM that shares the target's tokenizer proposes a chain or a top-k tree.
+
+The draft model keeps its own KV cache in step with the committed context: before drafting, the cache is
+cut back to the longest prefix it shares with the context, and the missing committed tokens are fed in one
+forward. Tree drafting expands layer by layer: one draft forward over the frontier (tree attention mask),
+each frontier node's top-k children, the global top `width` by path probability p̂ kept as the next
+frontier; deepening stops at `max_depth` or when the best frontier p̂ falls under `min_prob`.
+With sampling (temperature > 0) the draft is a chain sampled from the draft's warped distribution q, and q
+is attached to each node so the verifier can apply the exact SpecInfer residual rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rasd.decoding.cache import TreeCache
+from rasd.decoding.sampling import GREEDY, SamplingParams, target_probs
+from rasd.decoding.tree import DraftTree
+from rasd.decoding.verify import Verdict, cache_kwargs
+
+SOURCE = "draft"
+
+
+class DraftModelProposer:
+    """Chain (width=1, top_k=1) or top-k tree drafts from a separate small model."""
+
+    name = "draft"
+
+    def __init__(self, model: torch.nn.Module, max_depth: int = 6, top_k: int = 1, width: int = 1,
+                 min_prob: float = 0.05, seed: int = 0):
+        self.model = model
+        self.max_depth, self.top_k, self.width, self.min_prob = max_depth, top_k, width, min_prob
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache = TreeCache.for_model(model)
+        self.cached: list[int] = []     # tokens whose keys/values are in self.cache
+        self.sampling = GREEDY
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        self.cache = TreeCache.for_model(self.model)
+        self.cached = []
+        self.sampling = sampling
+        if sampling.seed is not None:
+            self.gen.manual_seed(sampling.seed + 1)
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], max_nodes: int) -> DraftTree:
+        logits = self._sync(context)   # [vocab] at the root
+        tree = DraftTree.root_only(context[-1])
+        if max_nodes <= 0:
+            return tree
+        if self.sampling.greedy:
+            self._expand_tree(tree, logits, len(context), max_nodes)
+        else:
+            self._sample_chain(tree, logits, len(context), max_nodes)
+        self.cache.crop(-(self.cache.get_seq_length() - len(self.cached)))
+        return tree
+
+    def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
+        """The cache catches up in the next `propose`."""
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Make the cache hold context[:-1] + root and return the draft logits at the root [vocab]."""
+        common = 0
+        limit = min(len(self.cached), len(context) - 1)
+        while common < limit and self.cached[common] == context[common]:
+            common += 1
+        self.cache.crop(-(self.cache.get_seq_length() - common))
+        new = context[common:]
+        ids = torch.tensor([new], dtype=torch.long, device=self.device)
+        pos = torch.arange(common, len(context), device=self.device)[None]
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **cache_kwargs(self.model, self.cache))
+        self.cached = list(context)
+        return out.logits[0, -1].float()
+
+    def _forward_nodes(self, tree: DraftTree, first: int, context_len: int) -> torch.Tensor:
+        """Draft logits [n, vocab] for tree nodes first.. (earlier non-root nodes are already cached)."""
+        nodes = list(range(first, len(tree)))
+        past = self.cache.get_seq_length()              # context + tree nodes 1..first-1
+        anc = tree.ancestor_mask()[first:, 1:]          # [n, len(tree) - 1], root is part of the context
+        visible = torch.ones(len(nodes), past + len(nodes), dtype=torch.bool)
+        visible[:, context_len:] = anc
+        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, torch.finfo(self.dtype).min)
+        depths = tree.depths()
+        ids = torch.tensor([[tree.tokens[i] for i in nodes]], device=self.device)
+        pos = torch.tensor([[context_len - 1 + depths[i] for i in nodes]], device=self.device)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask[None, None].to(self.device),
+                         use_cache=True, **cache_kwargs(self.model, self.cache))
+        return out.logits[0].float()
+
+    def _expand_tree(self, tree: DraftTree, root_logits: torch.Tensor, context_len: int, max_nodes: int) -> None:
+        """Greedy drafting: top-k children per frontier node, keep the global top `width` by p̂."""
+        frontier, frontier_logits = [0], root_logits[None]
+        for depth in range(self.max_depth):
+            probs = frontier_logits.softmax(-1)                       # [F, vocab]
+            top_p, top_t = probs.topk(self.top_k, dim=-1)             # [F, k]
+            cands = [(tree.scores[f] * float(top_p[j, c]), f, int(top_t[j, c]))
+                     for j, f in enumerate(frontier) for c in range(self.top_k)]
+            cands.sort(key=lambda c: -c[0])
+            cands = [c for c in cands[: self.width] if c[0] >= self.min_prob]
+            room = max_nodes - tree.num_draft_tokens
+            if not cands or room <= 0:
+                return
+            first = len(tree)
+            for score, parent, tok in cands[:room]:
+                tree.add(parent, tok, SOURCE, score)
+            frontier = list(range(first, len(tree)))
+            if depth + 1 < self.max_depth and tree.num_draft_tokens < max_nodes:
+                frontier_logits = self._forward_nodes(tree, first, context_len)
+
+    def _sample_chain(self, tree: DraftTree, root_logits: torch.Tensor, context_len: int, max_nodes: int) -> None:
+        """Sampling: a chain drawn from q, with q kept on every node for exact verification."""
+        logits, node, score = root_logits, 0, 1.0
+        length = min(self.max_depth, max_nodes)
+        for step in range(length):
+            q = target_probs(logits, self.sampling)                   # [vocab]
+            tok = int(torch.multinomial(q, 1, generator=self.gen).item())
+            score *= float(q[tok])
+            node = tree.add(node, tok, SOURCE, score)
+            tree.q[node] = q
+            if step + 1 < length:
+                logits = self._forward_nodes(tree, node, context_len)[0]

@@ -1,0 +1,148 @@
+"""Tree verification: one target forward over the whole draft tree, then greedy or exact-sampling acceptance.
+
+The verifier knows nothing about where nodes came from; `source` tags only pass through to statistics.
+Notation follows the speculative-sampling papers: p = the target's distribution at a node, q = the
+distribution a draft token was sampled from (known only for sampled drafts).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from rasd.decoding.cache import TreeCache
+from rasd.decoding.sampling import SamplingParams, sample, target_probs
+from rasd.decoding.tree import DraftTree
+
+
+@dataclass
+class Verdict:
+    """What one verification step decided: accepted draft nodes (root excluded) and the bonus token."""
+
+    accepted: list[int]   # tree node indices along the accepted path, root excluded
+    bonus: int            # the target's own token after the accepted path
+
+    def new_tokens(self, tree: DraftTree) -> list[int]:
+        """Tokens committed by this step: accepted drafts then the bonus."""
+        return [tree.tokens[i] for i in self.accepted] + [self.bonus]
+
+
+def tree_inputs(tree: DraftTree, past_len: int, dtype: torch.dtype, device: torch.device | str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids [1, T], position_ids [1, T] and the 4-D additive mask [1, 1, T, past_len + T].
+
+    Every node sees the whole committed context and exactly its own ancestors in the tree; its position is
+    past_len + depth, so a node's logits equal those of decoding its path sequentially.
+    """
+    n = len(tree)
+    input_ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
+    position_ids = torch.tensor([[past_len + d for d in tree.depths()]], dtype=torch.long, device=device)
+    visible = torch.ones(n, past_len + n, dtype=torch.bool)
+    visible[:, past_len:] = tree.ancestor_mask()
+    mask = torch.zeros(n, past_len + n, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return input_ids, position_ids, mask[None, None].to(device)
+
+
+@torch.inference_mode()
+def tree_forward(model: torch.nn.Module, cache: TreeCache, tree: DraftTree) -> torch.Tensor:
+    """Run the target over all tree nodes at once; returns logits [T, vocab] (float32).
+
+    The tree's keys/values are appended to `cache`; call `cache.keep()` afterwards to drop rejected nodes.
+    """
+    past_len = cache.get_seq_length()
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    input_ids, position_ids, mask = tree_inputs(tree, past_len, dtype, device)
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                use_cache=True, **cache_kwargs(model, cache))
+    return out.logits[0].float()
+
+
+def cache_kwargs(model: torch.nn.Module, cache: TreeCache) -> dict[str, TreeCache]:
+    """Pass the cache under the name this transformers version expects (`cache` from 5.2x on)."""
+    params = inspect.signature(type(model).forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """Longest path whose every token equals the target's argmax at its parent, plus the bonus token.
+
+    logits: [T, vocab]. Siblings never repeat a token, so at most one child can match at each node.
+    """
+    argmax = logits.argmax(-1).tolist()   # [T]
+    node, accepted = 0, []
+    while True:
+        child = tree.child_with_token(node, argmax[node])
+        if child is None:
+            return Verdict(accepted=accepted, bonus=argmax[node])
+        accepted.append(child)
+        node = child
+
+
+def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
+                    gen: torch.Generator) -> Verdict:
+    """Exact speculative sampling over a tree (multi-candidate rejection, SpecInfer-style).
+
+    At each node the children are tried one by one. A deterministic candidate x is accepted with
+    probability p(x); on rejection p(x) is set to 0 and p renormalised. A candidate sampled from a known q
+    is accepted with probability min(1, p(x)/q(x)); on rejection p becomes norm(max(p - q, 0)). When every
+    child fails, the bonus token is drawn from what is left of p. Either way the emitted token has exactly
+    the distribution p, so the output distribution equals plain sampling.
+    """
+    probs = target_probs(logits, params)   # [T, vocab]
+    node, accepted = 0, []
+    while True:
+        p = probs[node].clone()
+        chosen = None
+        for child in tree.children(node):
+            x = tree.tokens[child]
+            q = tree.q.get(child)
+            p, ok = _try_candidate(p, x, q, gen)
+            if ok:
+                chosen = child
+                break
+        if chosen is None:
+            return Verdict(accepted=accepted, bonus=sample(p, gen))
+        accepted.append(chosen)
+        node = chosen
+
+
+def _try_candidate(p: torch.Tensor, x: int, q: torch.Tensor | None, gen: torch.Generator
+                   ) -> tuple[torch.Tensor, bool]:
+    """One rejection round; returns (the residual distribution, accepted?)."""
+    u = float(torch.rand((), generator=gen).item())
+    if q is None:
+        if u < float(p[x]):
+            return p, True
+        residual = p.clone()
+        residual[x] = 0.0
+    else:
+        qx = float(q[x])
+        if qx > 0 and u < min(1.0, float(p[x]) / qx):
+            return p, True
+        residual = torch.clamp(p - q.to(p.dtype), min=0.0)
+    total = float(residual.sum())
+    if total <= 0.0:   # p was (numerically) all on rejected mass: nothing else can be drawn
+        return p, False
+    return residual / total, False
+
+
+def verify(model: torch.nn.Module, cache: TreeCache, tree: DraftTree, params: SamplingParams,
+           gen: torch.Generator | None) -> tuple[Verdict, torch.Tensor]:
+    """Forward the tree, decide acceptance, compact the cache to the accepted path.
+
+    Returns the verdict and the target logits [T, vocab] (proposers such as Token Recycling learn from
+    every position, accepted or not).
+    """
+    past_len = cache.get_seq_length()
+    logits = tree_forward(model, cache, tree)
+    if params.greedy:
+        verdict = accept_greedy(tree, logits)
+    else:
+        assert gen is not None
+        verdict = accept_sampling(tree, logits, params, gen)
+    cache.keep(past_len, [0, *verdict.accepted])
+    return verdict, logits
