@@ -7,8 +7,8 @@
 over the n nodes with the largest estimated path-acceptance probability p̂ (the bonus token is the 1).
 p̂ is not trusted from proposers: `AcceptanceEstimator` learns, online, how often a node is accepted given
 that its parent was, per (source, depth, sibling rank, proposer-confidence bucket), with Beta posteriors
-that decay so they follow the current request. Posterior samples (Thompson sampling) rather than means
-keep it exploring, so a source that stopped being tried can come back. When nothing pays for its cost,
+that decay toward a prior so they follow the current request: a source that stopped being tried drifts back
+to the prior mean and gets tried again (optionally, `thompson=True` samples the posteriors instead). When nothing pays for its cost,
 n = 0 and the step is plain decoding: speculation never makes decoding markedly slower than `ar`.
 """
 
@@ -21,31 +21,31 @@ from dataclasses import dataclass, field
 from rasd.decoding.cost import CostCurve
 from rasd.decoding.tree import DraftTree
 
-Key = tuple[str, int, int, int]
+Key = tuple[str, int, int, int, int]
 
 
 @dataclass
 class AcceptanceEstimator:
     """Beta(α, β) posteriors of P(node accepted | parent accepted)."""
 
-    prior: tuple[float, float] = (1.0, 1.0)
+    prior: tuple[float, float] = (1.0, 1.5)
     decay: float = 0.98
     max_depth: int = 8
     max_rank: int = 2
     seed: int = 0
-    thompson: bool = True
+    thompson: bool = False
     counts: dict[Key, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
     def key(self, tree: DraftTree, node: int, depth: int, rank: int) -> Key:
-        """Bucket a node by source, depth, rank among its siblings and the proposer's local confidence."""
+        """Bucket a node by source, depth, sibling rank, the proposer's local confidence and tree bucket."""
         parent = tree.parents[node]
         parent_score = tree.scores[parent] if parent > 0 else 1.0
         local = tree.scores[node] / parent_score if parent_score > 0 else 0.0
         confidence = min(int(max(local, 0.0) * 4), 3)
-        return (tree.sources[node], min(depth, self.max_depth), min(rank, self.max_rank), confidence)
+        return (tree.sources[node], min(depth, self.max_depth), min(rank, self.max_rank), confidence, tree.bucket)
 
     def rate(self, key: Key) -> float:
         """A posterior sample (or the mean when `thompson` is off)."""
@@ -113,8 +113,11 @@ class CostAwareSizer:
     """Choose the tree size that maximises expected tokens per second against the measured cost curve."""
 
     def __init__(self, curve_for: Callable[[int], CostCurve], max_nodes: int = 64,
-                 estimator: AcceptanceEstimator | None = None):
+                 estimator: AcceptanceEstimator | None = None, margin: float = 1.05):
         self.curve_for = curve_for          # context length -> cost curve (cached per bucket)
+        # Speculate only when the best tree beats plain decoding by this factor: picking the maximum of
+        # noisy estimates is biased upwards, and a near-tie is not worth the risk of being slower than `ar`.
+        self.margin = margin
         self.max_nodes = max_nodes
         self.estimator = estimator or AcceptanceEstimator()
         self.overhead_s = 0.0               # EMA of step time spent outside the target forward
@@ -133,7 +136,8 @@ class CostAwareSizer:
         probs = self.estimator.path_probs(tree)
         ranked = sorted(range(1, len(tree)), key=lambda i: (-probs[i], i))
         limit = min(len(ranked), self.budget(context_len))
-        best_n, best_value, gain = 0, 1.0 / (curve.latency(1) + self.overhead_s), 1.0
+        best_n, gain = 0, 1.0
+        best_value = self.margin / (curve.latency(1) + self.overhead_s)
         for n in range(1, limit + 1):
             gain += probs[ranked[n - 1]]
             value = gain / (curve.latency(n + 1) + self.overhead_s)

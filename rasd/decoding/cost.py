@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from rasd.decoding.cache import TreeCache
+from rasd.decoding.kernels import fast_kernels, install
 from rasd.decoding.models import rasd_home
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import cache_kwargs, tree_forward
@@ -79,7 +80,7 @@ def curve_key(model: torch.nn.Module, name: str, device: str, dtype: str, bucket
 
 @torch.inference_mode()
 def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ...] = DEFAULT_SIZES,
-                  repeats: int = 3, key: str = "", progress: bool = True) -> CostCurve:
+                  repeats: int = 5, key: str = "", progress: bool = True) -> CostCurve:
     """Time tree verification forwards of each size on top of a `context_len`-token cache.
 
     A chain tree is used: the mask shape, not its pattern, decides the cost. The median of `repeats`
@@ -90,21 +91,25 @@ def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ..
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     gen = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, context_len), generator=gen).to(device)
+    install(model)
     cache = TreeCache.for_model(model)
     model(input_ids=context, use_cache=True, **cache_kwargs(model, cache))
-    latencies: list[float] = []
-    for size in tqdm(sizes, desc="measuring verification cost curve", disable=not progress, leave=False):
-        tree = DraftTree.chain(1, [int(t) for t in torch.randint(0, vocab, (size - 1,), generator=gen)], "probe")
-        times = []
-        for rep in range(repeats + 1):
+    trees = {size: DraftTree.chain(1, [int(t) for t in torch.randint(0, vocab, (size - 1,), generator=gen)],
+                                   "probe") for size in sizes}
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    # Rounds over all sizes (not all repeats of one size in a row), so drift hits every size alike.
+    for rep in tqdm(range(repeats + 1), desc="measuring verification cost curve", disable=not progress,
+                    leave=False):
+        for size in sizes:
             _sync(device)
             t0 = time.perf_counter()
-            tree_forward(model, cache, tree)
+            with fast_kernels():
+                tree_forward(model, cache, trees[size])
             _sync(device)
             if rep:
-                times.append(time.perf_counter() - t0)
+                times[size].append(time.perf_counter() - t0)
             cache.crop(-size)
-        latencies.append(statistics.median(times))
+    latencies = [statistics.median(times[size]) for size in sizes]
     for i in range(1, len(latencies)):
         latencies[i] = max(latencies[i], latencies[i - 1])
     return CostCurve(key=key, context_len=context_len, sizes=list(sizes), latency_s=latencies)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rasd.decoding.cache import TreeCache
+from rasd.decoding.kernels import fast_kernels, install
 from rasd.decoding.control import CostAwareSizer, FixedSizer
 from rasd.decoding.cost import load_or_measure
 from rasd.decoding.proposers import Proposer, make_proposer
@@ -83,8 +84,12 @@ class SpeculativeDecoder:
 
     def __init__(self, model: torch.nn.Module, proposer: Proposer, *, tokenizer: Any = None,
                  sizer: CostAwareSizer | FixedSizer | None = None, max_context: int | None = None,
-                 method: str | None = None):
-        self.model = model
+                 method: str | None = None, fast: bool = True):
+        self.model = install(model) if fast else model
+        self.fast = fast
+        draft_model = getattr(proposer, "model", None)
+        if fast and isinstance(draft_model, torch.nn.Module):
+            install(draft_model)
         self.proposer = proposer
         self.tokenizer = tokenizer
         self.sizer = sizer or FixedSizer()
@@ -138,7 +143,8 @@ class GenerationStream:
         t_start = time.perf_counter()
         cache = TreeCache.for_model(dec.model)
         dec.proposer.start(self.prompt_ids, sampling)
-        first = self._prefill(cache, gen)
+        with fast_kernels(dec.fast):
+            first = self._prefill(cache, gen)
         context, generated = self.prompt_ids + [first], [first]
         _, reason = self.checker.cut([], [first])
         stats.prefill_time_s = time.perf_counter() - t_start
@@ -147,7 +153,8 @@ class GenerationStream:
             if len(context) >= dec.max_context:
                 reason = "length"
                 break
-            block, reason = self._step(cache, context, generated, stats, gen)
+            with fast_kernels(dec.fast):
+                block, reason = self._step(cache, context, generated, stats, gen)
             context += block
             generated += block
             if block:

@@ -31,6 +31,7 @@ class DraftTree:
     sources: list[str]
     scores: list[float]
     q: dict[int, torch.Tensor] = field(default_factory=dict)
+    bucket: int = 0   # proposer-defined confidence class of the whole proposal (e.g. matched n-gram length)
 
     @classmethod
     def root_only(cls, root_token: int) -> DraftTree:
@@ -134,6 +135,7 @@ class DraftTree:
                         parents=[remap[self.parents[i]] if i else -1 for i in order],
                         sources=[self.sources[i] for i in order], scores=[self.scores[i] for i in order])
         out.q = {remap[i]: d for i, d in self.q.items() if i in remap}
+        out.bucket = self.bucket
         return out
 
     def top_nodes(self, budget: int) -> DraftTree:

@@ -91,7 +91,9 @@ class PromptLookupProposer:
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             conts = self.index.continuations(n, self.max_matches, self.max_len)
             if conts:
-                return counted_trie(context[-1], conts, self.source, max_nodes)
+                tree = counted_trie(context[-1], conts, self.source, max_nodes)
+                tree.bucket = n   # longer matches are accepted more often: learn rates per match length
+                return tree
         return DraftTree.root_only(context[-1])
 
     def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:

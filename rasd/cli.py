@@ -1,0 +1,178 @@
+"""The `rasd` command: `rasd generate` and `rasd bench` (more subcommands arrive with later issues).
+
+Errors a person can fix (unknown method, missing model, empty or too-long prompt) print one line on stderr
+and exit with status 2; nothing else is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rasd.decoding.proposers import METHODS
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All subcommands; `bench` lives with its pipeline."""
+    parser = argparse.ArgumentParser(prog="rasd", description="Lossless retrieval-augmented speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    from rasd.pipelines import bench
+
+    bench.register(sub)
+    return parser
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Model options shared by subcommands."""
+    p.add_argument("--model", default="default", help="HF hub id, local path, or `default` (embedded SmolLM2-135M)")
+    p.add_argument("--draft-model", default=None, help="small causal LM sharing the target's tokenizer")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+
+
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt with speculative decoding")
+    add_model_args(p)
+    p.add_argument("--method", default="pld", help=f"one of {', '.join(METHODS)}")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="file holding the prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--sizing", default="cost", choices=["cost", "fixed"],
+                   help="tree sizing: measured cost model (default) or a fixed node budget")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=run_generate)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text from --prompt or --prompt-file; empty prompts are an error."""
+    if args.prompt_file is not None:
+        try:
+            text = args.prompt_file.read_text()
+        except OSError as exc:
+            raise CliError(f"cannot read prompt file {args.prompt_file}: {exc.strerror}") from exc
+    else:
+        text = args.prompt
+    if not text or not text.strip():
+        raise CliError("the prompt is empty")
+    return text
+
+
+def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    """Token ids of the prompt, through the chat template when asked."""
+    if not chat:
+        return list(tokenizer(text)["input_ids"])
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise CliError("--chat was given but the model's tokenizer has no chat template")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def load_target(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Target and optional draft model, turning load failures into one-line errors."""
+    from rasd.decoding.models import ModelLoadError, load_model
+
+    try:
+        target = load_model(args.model, device=args.device, dtype=args.dtype)
+        draft = load_model(args.draft_model, device=args.device, dtype=args.dtype) if args.draft_model else None
+    except ModelLoadError as exc:
+        raise CliError(str(exc)) from exc
+    return target, draft
+
+
+def validate_method(method: str, draft_model: str | None) -> None:
+    """Fail before loading any model when the method cannot run."""
+    if method not in METHODS:
+        raise CliError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "draft" and not draft_model:
+        raise CliError("method 'draft' needs --draft-model (a small model sharing the target's tokenizer)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Generate, streaming text to stdout (or one JSON object with --json), statistics on stderr."""
+    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.sampling import SamplingParams
+
+    validate_method(args.method, args.draft_model)
+    text = read_prompt(args)
+    if args.max_new_tokens < 1:
+        raise CliError("--max-new-tokens must be at least 1")
+    try:
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    target, draft = load_target(args)
+    prompt_ids = encode_prompt(target.tokenizer, text, args.chat)
+    if len(prompt_ids) + 1 > target.max_context:
+        raise CliError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context}")
+    decoder = build_decoder(target, args.method, draft=draft, sizing=args.sizing)
+    printer = None if args.json else _TextPrinter(target.tokenizer)
+    out = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                           eos_token_ids=target.eos_token_ids, stop=args.stop,
+                           on_tokens=None if printer is None else printer.push)
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "stats": out.stats.to_dict()}))
+    else:
+        printer.finish(out.text or "")
+        print(f"[{args.method}] {out.stats.summary()}", file=sys.stderr)
+    return 0
+
+
+class _TextPrinter:
+    """Streams decoded text as token blocks arrive (re-decoding keeps multi-byte characters intact)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+
+    def push(self, block: list[int]) -> None:
+        self.ids.extend(block)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        safe = len(text) - 1 if text.endswith("\ufffd") else len(text)
+        if safe > self.printed:
+            sys.stdout.write(text[self.printed: safe])
+            sys.stdout.flush()
+            self.printed = safe
+
+    def finish(self, final_text: str) -> None:
+        """Print what is left; if a stop string cut the text, nothing past it is printed."""
+        if len(final_text) > self.printed:
+            sys.stdout.write(final_text[self.printed:])
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `rasd` console script."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"rasd: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
