@@ -163,6 +163,9 @@ class _TextPrinter:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `rasd` console script."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()   # keep stderr to our own one-line messages
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,7 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    print(f"rasd: converting the embedded model to {target} (once, ~30 s)", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:

@@ -1,0 +1,113 @@
+"""`rasd generate`: one-line errors with a non-zero exit, JSON output, streaming text, on a tiny local model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rasd.cli import main
+
+CORPUS = ("the quick brown fox jumps over the lazy dog . " * 20 + "a b c d e f g h i j k l m n o p . ") * 5
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a real (tiny, trained here) BPE tokenizer, saved like a hub model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                         eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=tok.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_json_output_is_one_object_with_stats(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str],
+                                             method: str) -> None:
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", method, "--prompt",
+                           "the quick brown fox jumps over the lazy dog . the quick", "--max-new-tokens", "12",
+                           "--sizing", "fixed", "--json")
+    assert code == 0
+    payload = json.loads(out)
+    assert set(payload) >= {"text", "token_ids", "stats"}
+    assert 1 <= len(payload["token_ids"]) <= 12
+    assert payload["stats"]["new_tokens"] == len(payload["token_ids"])
+    assert payload["stats"]["method"] == method
+
+
+def test_methods_give_identical_tokens(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    outputs = []
+    for method in ("ar", "pld"):
+        run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", method, "--prompt",
+                "a b c d e f g h a b c d", "--max-new-tokens", "20", "--sizing", "fixed", "--json")
+    for method in ("ar", "pld"):
+        _, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", method, "--prompt",
+                            "a b c d e f g h a b c d", "--max-new-tokens", "20", "--sizing", "fixed", "--json")
+        outputs.append(json.loads(out)["token_ids"])
+    assert outputs[0] == outputs[1]
+
+
+def test_streaming_text_and_stats_line(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "pld", "--chat",
+                             "--prompt", "the lazy dog", "--max-new-tokens", "8", "--sizing", "fixed")
+    assert code == 0
+    assert out.endswith("\n")
+    assert "[pld]" in err and "mean accepted" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "nope", "--prompt", "hi"], "unknown method 'nope'"),
+    (["--method", "ar", "--prompt", "   "], "the prompt is empty"),
+    (["--method", "draft", "--prompt", "hi"], "needs --draft-model"),
+    (["--method", "ar", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--method", "ar", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+])
+def test_bad_arguments_give_one_line_error(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str],
+                                           args: list[str], message: str) -> None:
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), *args)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and message in err and err.startswith("rasd: error:")
+
+
+def test_prompt_longer_than_context(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "ar",
+                           "--prompt", "a b c d " * 40)
+    assert code == 2 and "context is 64" in err and err.count("\n") == 1
+
+
+def test_missing_model_and_prompt_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path / "nowhere"), "--method", "ar",
+                           "--prompt", "hi")
+    assert code == 2 and "cannot load model" in err and err.count("\n") == 1
+    code, _, err = run_cli(capsys, "generate", "--method", "ar", "--prompt-file", str(tmp_path / "missing.txt"))
+    assert code == 2 and "cannot read prompt file" in err
+
+
+def test_console_script_exit_status(tiny_model_dir: Path) -> None:
+    """The real process: non-zero status and a single stderr line."""
+    proc = subprocess.run([sys.executable, "-m", "rasd.cli", "generate", "--model", str(tiny_model_dir),
+                           "--method", "bogus", "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["rasd: error: unknown method 'bogus'; choose one of ar, pld, draft"]
