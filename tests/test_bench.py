@@ -38,8 +38,9 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SPEC_BENCH = DATA / "spec_bench" / "question.jsonl"
 LONGBENCH = DATA / "longbench" / "longbench_dev.jsonl"
 HAS_ENGINE = importlib.util.find_spec("rasd.decoding.engine") is not None
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+NO_DATA = "../shared/data is not on this machine"
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -71,7 +72,8 @@ def tiny_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     text = ["The quick brown fox jumps over the lazy dog.", "Answer the question based on the passages.",
             "Question: what is the capital of France? Answer: Paris."] * 20
@@ -117,7 +119,8 @@ def test_longbench_shapes_prompt_context_question_and_ids(tmp_path):
     rows = [
         {"dataset": "hotpotqa", "category": "multi-doc QA", "source_key": "7",
          "prompt": "Read.\n\nDOC TEXT\n\nQuestion: who?\nAnswer:", "context": "DOC TEXT", "question": "who?"},
-        {"dataset": "trec", "category": None, "source_key": "1", "prompt": "few-shot prompt", "context": None},
+        {"dataset": "trec", "category": None, "source_key": "1", "prompt": "few-shot prompt",
+         "context": None},
         {"dataset": "qasper", "context": "A document.", "question": "What?"},
         {"dataset": "bad", "answers": ["no prompt here"]},
     ]
@@ -188,7 +191,7 @@ def test_prompts_without_context_are_cut_in_the_middle_or_skipped(tiny_tokenizer
     assert skipped == [] and any(n.startswith("skip few-shot/1") for n in notes)
 
 
-@pytest.mark.skipif(not SPEC_BENCH.exists(), reason=f"{SPEC_BENCH} absent (../shared/data is not on this machine)")
+@pytest.mark.skipif(not SPEC_BENCH.exists(), reason=f"{SPEC_BENCH} absent ({NO_DATA})")
 def test_real_spec_bench_file_parses():
     items = load_items(SPEC_BENCH, limit=2)
     cats = {it.category for it in items}
@@ -196,7 +199,7 @@ def test_real_spec_bench_file_parses():
     assert all(isinstance(it.text, str) and it.text for it in items) and len(items) == 2 * len(cats)
 
 
-@pytest.mark.skipif(not LONGBENCH.exists(), reason=f"{LONGBENCH} absent (../shared/data is not on this machine)")
+@pytest.mark.skipif(not LONGBENCH.exists(), reason=f"{LONGBENCH} absent ({NO_DATA})")
 def test_real_longbench_rows_truncate_inside_their_context(tiny_tokenizer):
     items = load_items(LONGBENCH, categories=["hotpotqa", "trec"], limit=1)
     assert {it.dataset for it in items} == {"hotpotqa", "trec"}
@@ -205,7 +208,8 @@ def test_real_longbench_rows_truncate_inside_their_context(tiny_tokenizer):
     for p in prompts:
         assert len(p.input_ids) <= 2000 and p.truncated_tokens > 0
     hotpot = next(p for p in prompts if p.item.dataset == "hotpotqa")
-    assert tiny_tokenizer.decode(hotpot.input_ids).rstrip().endswith("Answer:<|im_end|>\n<|im_start|>assistant")
+    tail = "Answer:<|im_end|>\n<|im_start|>assistant"
+    assert tiny_tokenizer.decode(hotpot.input_ids).rstrip().endswith(tail)
 
 
 # ----------------------------------------------------------------------------------- aggregation
@@ -278,6 +282,43 @@ def test_hf_record_counts_only_forwards_after_the_first_token():
     assert rec.finish_reason == "eos" and rec.tokens_per_s == pytest.approx(2.0)
 
 
+class FakeRunner:
+    """Records the calls the run loop makes, so order, warm-up and preparation can be checked."""
+
+    def __init__(self, name: str, log: list[tuple]):
+        self.name, self.log = name, log
+
+    def prepare(self, prompts, max_new_tokens):
+        self.log.append(("prepare", self.name, len(prompts), max_new_tokens))
+
+    def run(self, prompt_ids, max_new_tokens, seed):
+        self.log.append(("run", self.name, tuple(prompt_ids), max_new_tokens, seed))
+        return record(self.name, -1, "", [1, 2], 1.0)
+
+
+def test_run_loop_prepares_warms_up_then_interleaves_methods():
+    from rasd.pipelines.bench import BenchPrompt, run_prompts
+
+    log: list[tuple] = []
+    runners = [FakeRunner("a", log), FakeRunner("b", log)]
+    prompts = [BenchPrompt(i, BenchItem(f"q{i}", "qa", "x"), [i, i]) for i in range(3)]
+    records = run_prompts(runners, prompts, 32, SamplingConfig(temperature=0.5, seed=10), progress=False)
+    assert log[:2] == [("prepare", "a", 3, 32), ("prepare", "b", 3, 32)]
+    assert log[2:4] == [("run", "a", (0, 0), bench.WARMUP_MAX_NEW_TOKENS, 10),
+                        ("run", "b", (0, 0), bench.WARMUP_MAX_NEW_TOKENS, 10)]
+    timed = [(e[1], e[2][0], e[4]) for e in log[4:]]
+    assert timed == [("a", 0, 10), ("b", 0, 10), ("b", 1, 11), ("a", 1, 11), ("a", 2, 12), ("b", 2, 12)]
+    assert [(r.method, r.index, r.question_id) for r in records[:2]] == [("a", 0, "q0"), ("b", 0, "q0")]
+
+
+def test_engine_runner_prepare_touches_every_context_length():
+    seen: list[int] = []
+    runner = object.__new__(bench.EngineRunner)
+    runner.decoder = type("D", (), {"sizer": type("S", (), {"curve_for": staticmethod(seen.append)})()})()
+    runner.prepare([bench.BenchPrompt(0, BenchItem(1, "qa", "x"), [7] * 5)], 3)
+    assert seen == [5, 6, 7, 8]
+
+
 def test_rotation_and_method_parsing():
     assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
     assert parse_methods(" ar,hf,,pld,ar ") == ["ar", "hf", "pld"]
@@ -309,7 +350,8 @@ def test_register_adds_the_bench_subcommand():
     parser = argparse.ArgumentParser(prog="rasd")
     bench.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "--dataset", "q.jsonl", "--category", "rag", "--category", "qa"])
-    assert args.func is bench.run_from_args and args.category == ["rag", "qa"] and args.methods == "ar,hf,hf-pld,pld"
+    assert args.func is bench.run_from_args and args.category == ["rag", "qa"]
+    assert args.methods == "ar,hf,hf-pld,pld"
 
 
 # ------------------------------------------------------------------------------------ end to end
@@ -352,11 +394,12 @@ def test_end_to_end_engine_methods_match_hf_greedy(tiny_target, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_ENGINE, reason="rasd.decoding.engine not written yet")
-@pytest.mark.skipif(not SPEC_BENCH.exists(), reason=f"{SPEC_BENCH} absent (../shared/data is not on this machine)")
+@pytest.mark.skipif(not SPEC_BENCH.exists(), reason=f"{SPEC_BENCH} absent ({NO_DATA})")
 def test_cli_on_the_embedded_model_and_spec_bench(tmp_path, capsys):
     out, plot, answers = tmp_path / "results.json", tmp_path / "results.png", tmp_path / "answers.jsonl"
     rc = bench.main(["--dataset", str(SPEC_BENCH), "--category", "rag", "--category", "translation",
-                     "--limit", "1", "--methods", "ar,hf,hf-pld,pld", "--max-new-tokens", "24", "--no-progress",
+                     "--limit", "1", "--methods", "ar,hf,hf-pld,pld", "--max-new-tokens", "16",
+                     "--no-progress",
                      "--out", str(out), "--plot", str(plot), "--answers", str(answers)])
     assert rc == 0
     results = json.loads(out.read_text())

@@ -8,8 +8,9 @@ over the n nodes with the largest estimated path-acceptance probability p̂ (the
 p̂ is not trusted from proposers: `AcceptanceEstimator` learns, online, how often a node is accepted given
 that its parent was, per (source, depth, sibling rank, proposer-confidence bucket), with Beta posteriors
 that decay toward a prior so they follow the current request: a source that stopped being tried drifts back
-to the prior mean and gets tried again (optionally, `thompson=True` samples the posteriors instead). When nothing pays for its cost,
-n = 0 and the step is plain decoding: speculation never makes decoding markedly slower than `ar`.
+to the prior mean and gets tried again (optionally, `thompson=True` samples the posteriors instead).
+When nothing pays for its cost, n = 0 and the step is plain decoding: speculation never makes decoding
+markedly slower than `ar`.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class AcceptanceEstimator:
 
     def update(self, tree: DraftTree, accepted: list[int]) -> None:
         """Learn from a verified tree: every child of the root or of an accepted node was 'tried'."""
-        for key, a_b in self.counts.items():
+        for a_b in self.counts.values():
             a_b[0] = self.prior[0] + (a_b[0] - self.prior[0]) * self.decay
             a_b[1] = self.prior[1] + (a_b[1] - self.prior[1]) * self.decay
         on_path = {0, *accepted}

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from rasd.decoding.cache import TreeCache
-from rasd.decoding.kernels import fast_kernels, install
 from rasd.decoding.control import CostAwareSizer, FixedSizer
 from rasd.decoding.cost import load_or_measure
+from rasd.decoding.kernels import fast_kernels, install
 from rasd.decoding.proposers import Proposer, make_proposer
 from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
 from rasd.decoding.stats import DecodeStats

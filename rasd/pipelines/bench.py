@@ -295,6 +295,8 @@ class Runner(Protocol):
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> RunRecord: ...
 
+    def prepare(self, prompts: Sequence[BenchPrompt], max_new_tokens: int) -> None: ...
+
 
 def _sync(device: str) -> None:
     """Wait for queued GPU work so wall-clock timestamps mean something."""
@@ -389,6 +391,9 @@ class HFRunner:
             kwargs["assistant_model"] = self.draft.model
         return kwargs
 
+    def prepare(self, prompts: Sequence[BenchPrompt], max_new_tokens: int) -> None:
+        """Nothing to calibrate for HF."""
+
     def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> RunRecord:
         import torch
 
@@ -441,6 +446,20 @@ class EngineRunner:
         self.eos_ids = set(target.eos_token_ids)
         self.decoder = build_decoder(target, name, draft=draft)
 
+    def prepare(self, prompts: Sequence[BenchPrompt], max_new_tokens: int) -> None:
+        """Load (or measure, once per context bucket) every cost curve the prompts will need, now.
+
+        The engine measures its verification cost curve lazily on the first step in a new context bucket;
+        that must not happen inside a timed generation, or one prompt absorbs seconds of calibration.
+        """
+        curve_for = getattr(getattr(self.decoder, "sizer", None), "curve_for", None)
+        if not callable(curve_for):
+            return
+        for prompt in prompts:
+            start = len(prompt.input_ids)
+            for context_len in range(start, start + max_new_tokens + 1):
+                curve_for(context_len)
+
     def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> RunRecord:
         from rasd.decoding.sampling import SamplingParams
 
@@ -484,6 +503,8 @@ def run_prompts(runners: Sequence[Runner], prompts: Sequence[BenchPrompt], max_n
     """Run every method on every prompt, interleaved, after one untimed warm-up per method."""
     from tqdm.auto import tqdm
 
+    for runner in runners:
+        runner.prepare(prompts, max_new_tokens)
     if warmup and prompts:
         warm_tokens = min(max_new_tokens, WARMUP_MAX_NEW_TOKENS)
         for runner in runners:
