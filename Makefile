@@ -22,8 +22,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/rasd generate --model default --method pld --chat --max-new-tokens 96 \
-	  --prompt "Repeat this sentence three times, exactly: The quick brown fox jumps over the lazy dog."
+	$(BIN)/rasd generate --model default --method pld --chat --max-new-tokens 160 \
+	  --prompt-file examples/sample_prompt.txt
 
 test: $(STAMP)
 	$(BIN)/ruff check rasd tests

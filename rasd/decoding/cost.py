@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -26,8 +27,8 @@ from rasd.decoding.models import rasd_home
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import cache_kwargs, tree_forward
 
-DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-CONTEXT_BUCKETS = (256, 1024, 4096)
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT_BUCKETS = (256, 1024, 2048, 4096)
 
 
 @dataclass
@@ -63,11 +64,8 @@ class CostCurve:
 
 
 def context_bucket(context_len: int) -> int:
-    """The measured bucket for a context length (smallest bucket that holds it, else the largest)."""
-    for bucket in CONTEXT_BUCKETS:
-        if context_len <= bucket:
-            return bucket
-    return CONTEXT_BUCKETS[-1]
+    """The measured bucket nearest to a context length on a log scale (cost grows slowly with context)."""
+    return min(CONTEXT_BUCKETS, key=lambda b: abs(math.log(b) - math.log(max(context_len, 1))))
 
 
 def curve_key(model: torch.nn.Module, name: str, device: str, dtype: str, bucket: int) -> str:
@@ -80,7 +78,7 @@ def curve_key(model: torch.nn.Module, name: str, device: str, dtype: str, bucket
 
 @torch.inference_mode()
 def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ...] = DEFAULT_SIZES,
-                  repeats: int = 5, key: str = "", progress: bool = True) -> CostCurve:
+                  repeats: int = 4, key: str = "", progress: bool = True) -> CostCurve:
     """Time tree verification forwards of each size on top of a `context_len`-token cache.
 
     A chain tree is used: the mask shape, not its pattern, decides the cost. The median of `repeats`
