@@ -49,34 +49,30 @@ class _StopChecker:
         self.text_end: int | None = None   # where the text is cut when a stop string matched
 
     def cut(self, generated: list[int], block: list[int]) -> tuple[list[int], str | None]:
-        """The part of `block` to commit after `generated`, and a finish reason if generation ends."""
+        """The part of `block` to commit after `generated`, and a finish reason if generation ends.
+
+        Token by token, in the order plain decoding would meet them: a stop string completed by a token,
+        that token being EOS, or the token reaching max_new_tokens, whichever comes first.
+        """
         out: list[int] = []
         for tok in block:
             out.append(tok)
+            if self.stop and self._stop_in(generated, out):
+                return out, "stop"
             if tok in self.eos_ids:
                 return out, "eos"
             if len(generated) + len(out) >= self.max_new:
-                return out, self._stop_in(generated, out) or "length"
-        reason = self._stop_in(generated, out)
-        return (self._trim_to_stop(generated, out), reason) if reason else (out, None)
+                return out, "length"
+        return out, None
 
-    def _stop_in(self, generated: list[int], block: list[int]) -> str | None:
-        if not self.stop:
-            return None
+    def _stop_in(self, generated: list[int], block: list[int]) -> bool:
+        """Whether the text so far contains a stop string (recording where the text is cut)."""
         text = self.tokenizer.decode(generated + block, skip_special_tokens=True)
         hits = [text.find(s) for s in self.stop if s in text]
         if not hits:
-            return None
+            return False
         self.text_end = min(hits)
-        return "stop"
-
-    def _trim_to_stop(self, generated: list[int], block: list[int]) -> list[int]:
-        """Shortest prefix of `block` whose text already contains the stop string."""
-        for k in range(1, len(block) + 1):
-            text = self.tokenizer.decode(generated + block[:k], skip_special_tokens=True)
-            if any(s in text for s in self.stop):
-                return block[:k]
-        return block
+        return True
 
 
 class SpeculativeDecoder:

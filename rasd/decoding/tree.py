@@ -164,7 +164,12 @@ class DraftTree:
             raise ValueError("cannot merge trees with different roots")
         remap = {0: 0}
         for i in range(1, len(other.tokens)):
-            remap[i] = self.add(remap[other.parents[i]], other.tokens[i], other.sources[i], other.scores[i])
-            if i in other.q and remap[i] not in self.q and self.sources[remap[i]] == other.sources[i]:
+            parent = remap[other.parents[i]]
+            if i in other.q and self.child_with_token(parent, other.tokens[i]) is not None:
+                # Merging would drop q (or mix two qs): the candidate would no longer be a draw from the q
+                # the verifier uses, and exact sampling would be lost. Refuse rather than be subtly wrong.
+                raise ValueError("cannot graft a sampled draft node onto an existing sibling with the same token")
+            remap[i] = self.add(parent, other.tokens[i], other.sources[i], other.scores[i])
+            if i in other.q:
                 self.q[remap[i]] = other.q[i]
         return self

@@ -130,6 +130,7 @@ def _try_candidate(p: torch.Tensor, x: int, q: torch.Tensor | None, gen: torch.G
     return residual / total, False
 
 
+@torch.inference_mode()
 def verify(model: torch.nn.Module, cache: TreeCache, tree: DraftTree, params: SamplingParams,
            gen: torch.Generator | None) -> tuple[Verdict, torch.Tensor]:
     """Forward the tree, decide acceptance, compact the cache to the accepted path.
