@@ -274,11 +274,8 @@ def test_stop_strings_cut_text_and_tokens(name: str) -> None:
         make_decoder(model, name).generate(prompt, 5, stop=["x"])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: when max_new_tokens is reached in the same accepted block "
-                                       "in which a stop string completed, the tokens after the stop string "
-                                       "are not trimmed (finish_reason is 'stop', token_ids run on to "
-                                       "max_new_tokens)")
 def test_stop_string_and_max_new_tokens_in_the_same_block() -> None:
+    """Regression: tokens after a stop string were kept when max_new_tokens fell in the same block."""
     model = tiny_llama(0)
     prompt = prompt_of(40, 5)
     ref = hf_greedy(model, prompt, 37)
@@ -292,10 +289,8 @@ def test_stop_string_and_max_new_tokens_in_the_same_block() -> None:
     assert out.token_ids == tokens
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: EOS is checked before stop strings inside a block: when a stop "
-                                       "string completes earlier in the same accepted block than an EOS, "
-                                       "generation reports 'eos' and returns text past the stop string")
 def test_stop_string_before_eos_in_the_same_block() -> None:
+    """Regression: EOS was checked before stop strings, so a stop string earlier in the block was missed."""
     model = tiny_llama(0)
     prompt = prompt_of(40, 5)
     ref = hf_greedy(model, prompt, 37)

@@ -46,8 +46,13 @@ def spec_bench_prompts() -> list[tuple[str, str]]:
     return [(c, found[c]) for c in CATEGORIES if c in found]
 
 
-PROMPTS = spec_bench_prompts()
-needs_data = pytest.mark.skipif(not PROMPTS, reason=f"Spec-Bench questions not found at {QUESTIONS.resolve()}")
+# Where ../shared/data is absent (a user's machine, some CI hosts) the same checks run on prompts of our own:
+# the document-copy prompt of `make run` (prompt lookup hits) and a short question (it mostly does not).
+BUILTIN = [("summarization", (Path(__file__).parents[1] / "examples" / "sample_prompt.txt").read_text()),
+           ("qa", "What is the capital of France? Answer in two sentences and explain why.")]
+PROMPTS = spec_bench_prompts() or BUILTIN
+CATEGORIES = tuple(c for c, _ in PROMPTS)
+needs_data = pytest.mark.skipif(not PROMPTS, reason="no prompts")
 
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
@@ -88,7 +93,7 @@ def test_greedy_equals_hf_on_spec_bench(loaded: Any, references: dict[str, Any],
     assert out.finish_reason == ("eos" if ref[-1] == EOS else "length")
     assert out.text == loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     print(f"{method}/{sizing} {category}: {out.stats.summary()}")
-    if method == "pld" and category in ("summarization", "rag"):
+    if method == "pld" and sizing == "fixed" and category in ("summarization", "rag"):
         assert out.stats.num_accepted_tokens > 0, "prompt lookup should hit on a long document prompt"
 
 

@@ -149,15 +149,13 @@ def test_growable_layer_crop_rejects_positive_counts() -> None:
 
 def test_verify_greedy_accepts_the_models_own_path_and_compacts() -> None:
     """Put the model's greedy continuation on the *second* branch: verify accepts it, the cache matches."""
-    with torch.inference_mode():   # as in the engine; see the xfail test below for verify() outside it
+    with torch.inference_mode():   # as in the engine
         _check_verify_second_branch()
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="BUG: verify() outside torch.inference_mode() crashes in cache.keep() when the "
-                          "accepted path is not a prefix (tree_forward creates inference tensors, keep() "
-                          "updates them in place outside inference mode)")
 def test_verify_outside_inference_mode() -> None:
+    """verify() is usable on its own (e.g. from an actor), not only inside the engine's inference mode:
+    compaction of a non-prefix path must not fail on inference tensors (a bug found by this test)."""
     _check_verify_second_branch()
 
 
