@@ -106,7 +106,8 @@ class FixedSizer:
     def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
         return tree.top_nodes(self.max_nodes)
 
-    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float) -> None:
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
         """Fixed sizing learns nothing."""
 
 
@@ -123,6 +124,17 @@ class CostAwareSizer:
         self.estimator = estimator or AcceptanceEstimator()
         self.overhead_s = 0.0               # EMA of step time spent outside the target forward
         self.last_choice: tuple[int, int] = (0, 0)   # (nodes offered, nodes kept), for statistics
+        # Online correction of the cached curve: a curve measured while the machine was busy would
+        # otherwise forbid speculation forever. Observed verify times per tree size replace the curve's.
+        self.observed: dict[int, float] = {}
+        self.learn_latency = True
+        self.explore_every = 16             # after this many plain steps, try a small tree once
+        self.explore_nodes = 4
+        self._plain_steps = 0
+
+    def latency(self, curve: CostCurve, n_tokens: int) -> float:
+        """Observed latency of this tree size when known, else the measured curve's."""
+        return self.observed.get(n_tokens, curve.latency(n_tokens))
 
     def budget(self, context_len: int) -> int:
         """Largest tree worth asking proposers for: bounded by the curve and by `max_nodes`."""
@@ -138,16 +150,23 @@ class CostAwareSizer:
         ranked = sorted(range(1, len(tree)), key=lambda i: (-probs[i], i))
         limit = min(len(ranked), self.budget(context_len))
         best_n, gain = 0, 1.0
-        best_value = self.margin / (curve.latency(1) + self.overhead_s)
+        best_value = self.margin / (self.latency(curve, 1) + self.overhead_s)
         for n in range(1, limit + 1):
             gain += probs[ranked[n - 1]]
-            value = gain / (curve.latency(n + 1) + self.overhead_s)
+            value = gain / (self.latency(curve, n + 1) + self.overhead_s)
             if value > best_value:
                 best_n, best_value = n, value
+        self._plain_steps = self._plain_steps + 1 if best_n == 0 else 0
+        if self._plain_steps >= self.explore_every:   # estimates or costs may be stale: look again
+            best_n, self._plain_steps = min(self.explore_nodes, limit), 0
         self.last_choice = (tree.num_draft_tokens, best_n)
         return tree.subtree(ranked[:best_n])
 
-    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float) -> None:
-        """Update acceptance posteriors and the per-step overhead estimate."""
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """Update acceptance posteriors, the per-step overhead and the observed latency of this size."""
         self.estimator.update(tree, accepted)
         self.overhead_s = overhead_s if self.overhead_s == 0 else 0.9 * self.overhead_s + 0.1 * overhead_s
+        if verify_s is not None and self.learn_latency:
+            old = self.observed.get(len(tree))
+            self.observed[len(tree)] = verify_s if old is None else 0.8 * old + 0.2 * verify_s

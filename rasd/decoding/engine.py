@@ -184,7 +184,7 @@ class GenerationStream:
         stats.record_step(tree.sources[1:], [tree.sources[i] for i in verdict.accepted], tree.num_draft_tokens)
         dec.proposer.observe(context + block, tree, verdict, logits)
         t3 = time.perf_counter()
-        dec.sizer.observe(tree, verdict.accepted, (t1 - t0) + (t3 - t2))
+        dec.sizer.observe(tree, verdict.accepted, (t1 - t0) + (t3 - t2), verify_s=t2 - t1)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t2 - t1
         stats.bookkeeping_time_s += time.perf_counter() - t2
