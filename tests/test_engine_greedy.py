@@ -279,14 +279,19 @@ def test_stop_strings_cut_text_and_tokens(name: str) -> None:
         make_decoder(model, name).generate(prompt, 5, stop=["x"])
 
 
-def test_stop_string_and_max_new_tokens_in_the_same_block() -> None:
-    """Regression: tokens after a stop string were kept when max_new_tokens fell in the same block."""
+def stop_in_first_block_case() -> tuple[Any, list[int], list[int], Any, str, list[int], str]:
+    """Model, prompt, HF reference, tokenizer, a stop string on new tokens 3-4 and its expected cut."""
     model = tiny_llama(0)
     prompt = prompt_of(40, 5)
     ref = hf_greedy(model, prompt, 37)
-    tok = AngleTokenizer()
     stop = f"<{ref[2]}><{ref[3]}>"
     tokens, text = expected_stop(ref, stop)
+    return model, prompt, ref, AngleTokenizer(), stop, tokens, text
+
+
+def test_stop_string_and_max_new_tokens_in_the_same_block() -> None:
+    """Regression: tokens after a stop string were kept when max_new_tokens fell in the same block."""
+    model, prompt, _, tok, stop, tokens, text = stop_in_first_block_case()
     # the self-draft chain accepts 7 tokens per step: new tokens 1..7 arrive in one block
     out = make_decoder(model, "draft-chain-self", tokenizer=tok).generate(prompt, 6, stop=[stop])
     assert out.stats.accept_lengths[0] == 7
@@ -296,12 +301,7 @@ def test_stop_string_and_max_new_tokens_in_the_same_block() -> None:
 
 def test_stop_string_before_eos_in_the_same_block() -> None:
     """Regression: EOS was checked before stop strings, so a stop string earlier in the block was missed."""
-    model = tiny_llama(0)
-    prompt = prompt_of(40, 5)
-    ref = hf_greedy(model, prompt, 37)
-    tok = AngleTokenizer()
-    stop = f"<{ref[2]}><{ref[3]}>"
-    tokens, text = expected_stop(ref, stop)
+    model, prompt, ref, tok, stop, tokens, text = stop_in_first_block_case()
     eos = next(t for t in ref[5:8] if t not in ref[:5])
     out = make_decoder(model, "draft-chain-self", tokenizer=tok).generate(prompt, 37, stop=[stop],
                                                                       eos_token_ids={eos})

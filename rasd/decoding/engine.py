@@ -16,7 +16,7 @@ import torch
 
 from rasd.decoding.cache import TreeCache
 from rasd.decoding.control import CostAwareSizer, FixedSizer
-from rasd.decoding.cost import load_or_measure
+from rasd.decoding.cost import context_bucket, load_or_measure
 from rasd.decoding.kernels import fast_kernels, install
 from rasd.decoding.proposers import Proposer, make_proposer
 from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
@@ -222,8 +222,6 @@ def _curve_provider(target: Any) -> Callable[[int], Any]:
     memo: dict[int, Any] = {}
 
     def curve_for(context_len: int) -> Any:
-        from rasd.decoding.cost import context_bucket
-
         bucket = context_bucket(context_len)
         if bucket not in memo:
             memo[bucket] = load_or_measure(target.model, target.name, target.device, target.dtype, context_len)
