@@ -1,0 +1,143 @@
+"""Lossless check and cost curve on an accelerator: run this on a machine with CUDA.
+
+Why a script and not the test suite: CI has no GPU, and the tests pin tiny models to the CPU. This checks the
+same properties on CUDA — every proposer's greedy output equals HF `generate` greedy on the same device
+(tiny random Llamas, several seeds; and the real default model when `--real` is given) — and prints the
+target's verify-latency curve, which decides how large draft trees may be on that device.
+
+    python scripts/gpu_check.py --device cuda [--real] [--dtype float32] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rasd.decoding.control import FixedSizer
+from rasd.decoding.cost import measure_curve
+from rasd.decoding.engine import SpeculativeDecoder
+from rasd.decoding.proposers import make_proposer
+
+
+def tiny_llama(seed: int, vocab: int, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A small random Llama; weights scaled up so greedy output is not one repeated token."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=256, max_position_embeddings=1024,
+                      initializer_range=0.05, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """HF `generate` greedy on the model's device (explicit mask: see tests/conftest.py)."""
+    x = torch.tensor([prompt], device=next(model.parameters()).device)
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
+
+
+def top2_gap(model: torch.nn.Module, ids: list[int]) -> float:
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    with torch.inference_mode():
+        top = model(x).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def check_tiny(device: str, dtype: torch.dtype) -> dict:
+    """Greedy equality for ar/pld/draft on random Llamas; a difference must sit at a near-tie."""
+    vocab, results = 200, []
+    draft = tiny_llama(99, vocab, device, dtype)
+    for seed in range(4):
+        target = tiny_llama(seed, vocab, device, dtype)
+        gen = torch.Generator().manual_seed(seed)
+        base = torch.randint(0, vocab, (12,), generator=gen).tolist()
+        prompt = base * 3 + torch.randint(0, vocab, (5,), generator=gen).tolist()   # repeats: pld finds drafts
+        ref, ours_ar = hf_greedy(target, prompt, 48), None
+        for method in ("ar", "pld", "draft"):
+            proposer = make_proposer(method, draft_model=draft if method == "draft" else None)
+            dec = SpeculativeDecoder(target, proposer, sizer=FixedSizer(0 if method == "ar" else 16))
+            res = dec.generate(prompt, max_new_tokens=48)
+            i = first_diff(res.token_ids, ref)
+            gap = None if i is None else top2_gap(target, prompt + ref[:i])
+            ours_ar = res.token_ids if method == "ar" else ours_ar
+            results.append({"seed": seed, "method": method, "equal": i is None, "first_diff": i,
+                            "equal_to_our_ar": res.token_ids == ours_ar,
+                            "ref_top2_gap": gap, "mean_accepted": res.stats.mean_accepted_tokens})
+    return {"device": device, "dtype": str(dtype), "runs": results,
+            "all_equal": all(r["equal"] for r in results)}
+
+
+def check_real(device: str, dtype: str, prompts: list[str]) -> dict:
+    """The default model: pld greedy vs HF greedy on a few chat prompts, and the cost curve."""
+    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.models import load_model
+    from rasd.pipelines.bench import encode_prompt
+
+    target = load_model("default", device=device, dtype=dtype)
+    runs = []
+    for text in prompts:
+        ids = encode_prompt(target.tokenizer, text)
+        ref = hf_greedy(target.model, ids, 96)
+        for method in ("ar", "pld"):
+            dec = build_decoder(target, method)
+            t0 = time.perf_counter()
+            out = dec.generate(ids, max_new_tokens=96)
+            i = first_diff(out.token_ids[: len(ref)], ref)
+            runs.append({"method": method, "prompt_tokens": len(ids), "equal": i is None, "first_diff": i,
+                         "mean_accepted": out.stats.mean_accepted_tokens, "seconds": time.perf_counter() - t0,
+                         "ref_top2_gap": None if i is None else top2_gap(target.model, ids + ref[:i])})
+    curve = measure_curve(target.model, 512, progress=False)
+    ms = {str(k): round(v * 1000, 3) for k, v in zip(curve.sizes, curve.latency_s, strict=True)}
+    return {"device": device, "dtype": dtype, "runs": runs, "all_equal": all(r["equal"] for r in runs),
+            "cost_curve_ms_ctx512": ms}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--real", action="store_true", help="also check the embedded default model")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prompts", default=None, help="Spec-Bench question.jsonl to take real prompts from")
+    p.add_argument("--out", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report: dict = {"torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    for dt in (torch.float32, torch.bfloat16):
+        report[f"tiny_{dt}"] = check_tiny(args.device, dt)
+        print(f"tiny {dt}: all equal = {report[f'tiny_{dt}']['all_equal']}", flush=True)
+    if args.real:
+        prompts = ["Explain in three sentences why the sky is blue.", "Write a short poem about autumn."]
+        if args.prompts:
+            rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+            seen: dict[str, str] = {}
+            for row in rows:
+                seen.setdefault(row.get("category", "?"), row["turns"][0])
+            prompts = list(seen.values())[:6]
+        report["real"] = check_real(args.device, args.dtype, prompts)
+        print(f"real {args.dtype}: all equal = {report['real']['all_equal']}", flush=True)
+        print("cost curve (ms, ctx 512):", report["real"]["cost_curve_ms_ctx512"], flush=True)
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gpu_check.json").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
