@@ -26,7 +26,7 @@ run: $(STAMP)
 	  --prompt-file examples/sample_prompt.txt
 
 test: $(STAMP)
-	$(BIN)/ruff check rasd tests
+	$(BIN)/ruff check rasd tests scripts
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
