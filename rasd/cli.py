@@ -25,9 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rasd", description="Lossless retrieval-augmented speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    from rasd.pipelines import bench
+    from rasd.pipelines import bench, docqa
 
     bench.register(sub)
+    docqa.register(sub)
     return parser
 
 
@@ -39,6 +40,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
 
 
+def add_sampling_args(p: argparse.ArgumentParser, top_k_flag: str = "--top-k") -> None:
+    """Sampling options shared by subcommands; `rasd ask` names top-k `--sample-top-k` (its --top-k retrieves)."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(top_k_flag, dest="sample_top_k", type=int, default=0, help="top-k sampling filter (0 = off)")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    """SamplingParams from the shared options; invalid values are one-line errors."""
+    from rasd.decoding.sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+
+
 def _add_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt with speculative decoding")
     add_model_args(p)
@@ -48,10 +67,7 @@ def _add_generate(sub: Any) -> None:
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_args(p)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--sizing", default="cost", choices=["cost", "fixed"],
                    help="tree sizing: measured cost model (default) or a fixed node budget")
@@ -109,22 +125,18 @@ def validate_method(method: str, draft_model: str | None) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     """Generate, streaming text to stdout (or one JSON object with --json), statistics on stderr."""
     from rasd.decoding.engine import build_decoder
-    from rasd.decoding.sampling import SamplingParams
 
     validate_method(args.method, args.draft_model)
     text = read_prompt(args)
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1")
-    try:
-        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    except ValueError as exc:
-        raise CliError(str(exc)) from exc
+    sampling = sampling_from_args(args)
     target, draft = load_target(args)
     prompt_ids = encode_prompt(target.tokenizer, text, args.chat)
     if len(prompt_ids) + 1 > target.max_context:
         raise CliError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context}")
     decoder = build_decoder(target, args.method, draft=draft, sizing=args.sizing)
-    printer = None if args.json else _TextPrinter(target.tokenizer)
+    printer = None if args.json else TextPrinter(target.tokenizer)
     out = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                            eos_token_ids=target.eos_token_ids, stop=args.stop,
                            on_tokens=None if printer is None else printer.push)
@@ -137,7 +149,7 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-class _TextPrinter:
+class TextPrinter:
     """Streams decoded text as token blocks arrive (re-decoding keeps multi-byte characters intact)."""
 
     def __init__(self, tokenizer: Any):

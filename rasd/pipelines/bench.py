@@ -69,6 +69,7 @@ class BenchPrompt:
     item: BenchItem
     input_ids: list[int]
     truncated_tokens: int = 0
+    scope: Any = None          # RetrievalScope (bench_docqa) for retrieval methods, None otherwise
 
 
 def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
@@ -460,6 +461,16 @@ class EngineRunner:
             for context_len in range(start, start + max_new_tokens + 1):
                 curve_for(context_len)
 
+    def bind(self, prompt: BenchPrompt) -> None:
+        """Point a retrieval proposer at this prompt's datastores and retrieved documents (untimed)."""
+        scope, proposer = prompt.scope, self.decoder.proposer
+        if scope is None:
+            return
+        if hasattr(proposer, "set_datastores"):
+            proposer.set_datastores(scope.datastores)
+        if hasattr(proposer, "scope"):
+            proposer.scope(scope.scope_docs or None)
+
     def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> RunRecord:
         from rasd.decoding.sampling import SamplingParams
 
@@ -508,15 +519,23 @@ def run_prompts(runners: Sequence[Runner], prompts: Sequence[BenchPrompt], max_n
     if warmup and prompts:
         warm_tokens = min(max_new_tokens, WARMUP_MAX_NEW_TOKENS)
         for runner in runners:
+            _bind(runner, prompts[0])
             runner.run(prompts[0].input_ids, warm_tokens, sampling.prompt_seed(0))
     records: list[RunRecord] = []
     for prompt in tqdm(prompts, desc="bench", unit="prompt", disable=not progress, file=sys.stderr):
         for runner in rotated(runners, prompt.index):
+            _bind(runner, prompt)
             record = runner.run(prompt.input_ids, max_new_tokens, sampling.prompt_seed(prompt.index))
             record.method, record.index = runner.name, prompt.index
             record.question_id, record.category = prompt.item.question_id, prompt.item.category
             records.append(record)
     return records
+
+
+def _bind(runner: Runner, prompt: BenchPrompt) -> None:
+    bind = getattr(runner, "bind", None)
+    if callable(bind):
+        bind(prompt)
 
 
 # -------------------------------------------------------------------------------------- aggregation
@@ -788,6 +807,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--dataset", required=True, help="Spec-Bench question.jsonl or LongBench jsonl")
+    parser.add_argument("--task", choices=("generate", "docqa"), default="generate",
+                        help="docqa: index each LongBench row's context and ask its question through retrieval")
+    parser.add_argument("--index", default=None,
+                        help="datastore index for the retrieval methods on every prompt (`rasd index build`)")
+    parser.add_argument("--retrieve-k", type=int, default=4, help="docqa: chunks retrieved into the prompt")
     parser.add_argument("--category", action="append", default=None,
                         help="keep only this category (or LongBench dataset); repeatable")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list (default {DEFAULT_METHODS})")
@@ -841,22 +865,41 @@ def run_from_args(args: argparse.Namespace) -> int:
     _validate(args, methods)
     if args.threads:
         torch.set_num_threads(args.threads)
-    items = load_items(args.dataset, args.category, args.limit)
+    items = load_items(args.dataset, args.category, args.limit) if args.task == "generate" else []
     target = load_model(args.model, device=args.device, dtype=args.dtype)
     draft = load_model(args.draft_model, device=args.device, dtype=args.dtype) if args.draft_model else None
-    budget = args.max_prompt_tokens or (target.max_context - args.max_new_tokens)
-    prompts = prepare_prompts(items, target.tokenizer, budget, args.long_prompts, not args.no_chat, _log)
+    prompts = _prompts(args, items, target)
     if not prompts:
         raise ValueError("every prompt was skipped")
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     config = BenchConfig(methods, args.max_new_tokens, sampling, not args.no_warmup, not args.no_progress)
-    meta = {"dataset": str(args.dataset), "categories": args.category, "limit": args.limit,
-            "truncated_prompts": sum(p.truncated_tokens > 0 for p in prompts),
-            "skipped_prompts": len(items) - len(prompts)}
+    meta = {"dataset": str(args.dataset), "task": args.task, "index": args.index, "categories": args.category,
+            "limit": args.limit, "truncated_prompts": sum(p.truncated_tokens > 0 for p in prompts),
+            "skipped_prompts": max(len(items) - len(prompts), 0)}
     results, records = run_benchmark(target, prompts, config, draft, meta)
     print(format_table(results))
     _write_outputs(args, results, records, target)
     return 0
+
+
+def _prompts(args: argparse.Namespace, items: list[BenchItem], target: LoadedModel) -> list[BenchPrompt]:
+    """Tokenised prompts for the task; with --index every prompt drafts from that datastore too."""
+    if args.task == "docqa":
+        from rasd.pipelines.bench_docqa import prepare_docqa_prompts
+
+        return prepare_docqa_prompts(args.dataset, args.category, args.limit, target, args.max_new_tokens,
+                                     args.retrieve_k, _log)
+    budget = args.max_prompt_tokens or (target.max_context - args.max_new_tokens)
+    prompts = prepare_prompts(items, target.tokenizer, budget, args.long_prompts, not args.no_chat, _log)
+    if args.index:
+        from rasd.index.store import Index, check_tokenizer
+        from rasd.pipelines.bench_docqa import RetrievalScope
+
+        index = Index.open(args.index)
+        check_tokenizer(index, target.name)
+        for prompt in prompts:
+            prompt.scope = RetrievalScope(index.datastores(), [])
+    return prompts
 
 
 def _log(message: str) -> None:

@@ -1,0 +1,67 @@
+"""Document QA: prompt building and fitting, LongBench row handling, and `rasd ask` end to end on a real index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rasd.pipelines.bench_docqa import qa_rows, split_passages
+from rasd.pipelines.docqa import Source, encode_messages, fit_sources, user_message
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from rasd.decoding.models import default_model_path
+
+    return AutoTokenizer.from_pretrained(str(default_model_path()))
+
+
+def _sources(n: int, words: int = 60) -> list[Source]:
+    return [Source(doc_id=i, chunk_id=10 + i, score=1.0 - i / 10, text=" ".join([f"fact{i}"] * words),
+                   title=f"T{i}") for i in range(n)]
+
+
+def test_user_message_numbers_sources_in_rank_order() -> None:
+    msg = user_message("What is it?", _sources(3, 2))
+    assert msg.index("[1] T0: fact0") < msg.index("[2] T1: fact1") < msg.index("[3] T2: fact2")
+    assert msg.rstrip().endswith("Question: What is it?")
+
+
+def test_fit_sources_drops_lowest_ranked_until_it_fits(tokenizer) -> None:
+    sources = _sources(4)
+    full = len(encode_messages(tokenizer, "q?", sources))
+    one_less = len(encode_messages(tokenizer, "q?", sources[:3]))
+    ids, kept = fit_sources(tokenizer, "q?", sources, max_prompt_tokens=one_less)
+    assert [s.doc_id for s in kept] == [0, 1, 2] and len(ids) == one_less < full
+    ids, kept = fit_sources(tokenizer, "q?", sources, max_prompt_tokens=full)
+    assert len(kept) == 4
+
+
+def test_fit_sources_rejects_a_question_too_long_alone(tokenizer) -> None:
+    with pytest.raises(ValueError, match="question alone"):
+        fit_sources(tokenizer, "word " * 400, _sources(2), max_prompt_tokens=50)
+
+
+def test_split_passages_longbench_markers() -> None:
+    ctx = "Passage 1:\nAlpha one.\nmore\nPassage 2:\nBeta two.\nPassage 10:\nGamma."
+    assert split_passages(ctx) == ["Alpha one.\nmore", "Beta two.", "Gamma."]
+    assert split_passages("plain text without markers") == ["plain text without markers"]
+
+
+def test_qa_rows_keeps_rows_with_context_and_question(tmp_path: Path) -> None:
+    rows = [{"dataset": "hotpotqa", "category": "multi-doc QA", "context": "c1", "question": "q1", "source_key": 1},
+            {"dataset": "gov_report", "category": "summarization", "context": "c2", "question": ""},
+            {"dataset": "hotpotqa", "category": "multi-doc QA", "context": "c3", "question": "q3", "source_key": 3},
+            {"dataset": "qasper", "category": "single-doc QA", "context": "c4", "question": "q4"}]
+    path = tmp_path / "lb.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    got = qa_rows(path, limit=1)
+    assert [(item.category, ctx, q) for item, ctx, q in got] == [("multi-doc QA", "c1", "q1"),
+                                                                 ("single-doc QA", "c4", "q4")]
+    assert [q for _, _, q in qa_rows(path, categories=["hotpotqa"])] == ["q1", "q3"]
+    with pytest.raises(ValueError, match="no rows"):
+        qa_rows(path, categories=["nothing"])
