@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rasd.cli import main
+from rasd.decoding.proposers import METHODS
 
 CORPUS = ("the quick brown fox jumps over the lazy dog . " * 20 + "a b c d e f g h i j k l m n o p . ") * 5
 
@@ -42,7 +43,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("method", ["ar", "pld"])
+@pytest.mark.parametrize("method", ["ar", "pld", "retrieval", "rasd"])
 def test_json_output_is_one_object_with_stats(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str],
                                              method: str) -> None:
     code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", method, "--prompt",
@@ -61,11 +62,11 @@ def test_methods_give_identical_tokens(tiny_model_dir: Path, capsys: pytest.Capt
     for method in ("ar", "pld"):
         run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", method, "--prompt",
                 "a b c d e f g h a b c d", "--max-new-tokens", "20", "--sizing", "fixed", "--json")
-    for method in ("ar", "pld"):
+    for method in ("ar", "pld", "retrieval", "rasd"):
         _, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", method, "--prompt",
                             "a b c d e f g h a b c d", "--max-new-tokens", "20", "--sizing", "fixed", "--json")
         outputs.append(json.loads(out)["token_ids"])
-    assert outputs[0] == outputs[1]
+    assert all(o == outputs[0] for o in outputs[1:])
 
 
 def test_streaming_text_and_stats_line(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -110,4 +111,5 @@ def test_console_script_exit_status(tiny_model_dir: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "rasd.cli", "generate", "--model", str(tiny_model_dir),
                            "--method", "bogus", "--prompt", "x"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["rasd: error: unknown method 'bogus'; choose one of ar, pld, draft"]
+    expected = f"rasd: error: unknown method 'bogus'; choose one of {', '.join(METHODS)}"
+    assert proc.stderr.strip().splitlines() == [expected]

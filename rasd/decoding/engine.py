@@ -176,6 +176,7 @@ class GenerationStream:
         room = dec.max_context - len(context) - 1
         budget = min(dec.sizer.budget(len(context)), room)
         tree = dec.proposer.propose(context, budget) if budget > 0 else DraftTree.root_only(context[-1])
+        stats.pruned_nodes += tree.pruned
         tree = dec.sizer.cut(tree, len(context)).top_nodes(max(budget, 0))
         t1 = time.perf_counter()
         verdict, logits = verify(dec.model, cache, tree, self.sampling, gen)
@@ -198,13 +199,15 @@ class GenerationStream:
         return text[: self.checker.text_end] if self.checker.text_end is not None else text
 
 
-def build_decoder(target: Any, method: str, draft: Any = None, sizing: str = "cost", max_nodes: int = 64,
-                  **proposer_options: Any) -> SpeculativeDecoder:
+def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[Any] | None = None,
+                  sizing: str = "cost", max_nodes: int = 64, **proposer_options: Any) -> SpeculativeDecoder:
     """A decoder for a LoadedModel and a method name, with cost-aware sizing against its measured curve.
 
-    `sizing="fixed"` skips the cost model (keeps up to `max_nodes` nodes by proposer score).
+    `sizing="fixed"` skips the cost model (keeps up to `max_nodes` nodes by proposer score). `datastores`
+    (token suffix arrays) feed the `retrieval` and `rasd` methods; other methods ignore them.
     """
-    proposer = make_proposer(method, draft_model=None if draft is None else draft.model, **proposer_options)
+    proposer = make_proposer(method, draft_model=None if draft is None else draft.model, datastores=datastores,
+                             **proposer_options)
     if method == "ar":
         sizer: CostAwareSizer | FixedSizer = FixedSizer(0)
     elif sizing == "fixed":

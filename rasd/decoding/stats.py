@@ -25,6 +25,7 @@ class DecodeStats:
     accepted_by_source: Counter = field(default_factory=Counter)     # source -> tokens; "bonus" included
     drafted_by_source: Counter = field(default_factory=Counter)      # source -> draft nodes verified
     tree_sizes: list[int] = field(default_factory=list)              # draft nodes per step
+    pruned_nodes: int = 0                  # candidate nodes dropped by proposer pruning (RASD) before sizing
     prefill_time_s: float = 0.0            # prompt forward up to the first new token
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -90,4 +91,4 @@ class DecodeStats:
         src = ", ".join(f"{k} {v}" for k, v in sorted(self.accepted_by_source.items()))
         return (f"{self.new_tokens} tokens in {self.total_time_s:.2f}s ({self.tokens_per_s:.1f} tok/s decode), "
                 f"{self.steps} steps, mean accepted {self.mean_accepted_tokens:.2f}, "
-                f"accepted by source: {src or '-'}")
+                f"accepted by source: {src or '-'}" + (f", pruned {self.pruned_nodes}" if self.pruned_nodes else ""))

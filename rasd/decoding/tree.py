@@ -32,6 +32,7 @@ class DraftTree:
     scores: list[float]
     q: dict[int, torch.Tensor] = field(default_factory=dict)
     bucket: int = 0   # proposer-defined confidence class of the whole proposal (e.g. matched n-gram length)
+    pruned: int = 0   # candidate nodes the proposer's pruning dropped before offering this tree (statistics only)
 
     @classmethod
     def root_only(cls, root_token: int) -> DraftTree:
@@ -136,6 +137,7 @@ class DraftTree:
                         sources=[self.sources[i] for i in order], scores=[self.scores[i] for i in order])
         out.q = {remap[i]: d for i, d in self.q.items() if i in remap}
         out.bucket = self.bucket
+        out.pruned = self.pruned
         return out
 
     def top_nodes(self, budget: int) -> DraftTree:

@@ -8,12 +8,19 @@ from rasd.decoding.proposers.ar import NoDraftProposer
 from rasd.decoding.proposers.base import Proposer
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.pld import PromptLookupProposer
+from rasd.decoding.proposers.rasd import RasdProposer
+from rasd.decoding.proposers.retrieval import RetrievalProposer
 
-METHODS = ("ar", "pld", "draft")
+METHODS = ("ar", "pld", "draft", "retrieval", "rasd")
 
 
-def make_proposer(method: str, draft_model: Any = None, **options: Any) -> Proposer:
-    """Build the proposer for a method name; a clear error for unknown names or missing draft models."""
+def make_proposer(method: str, draft_model: Any = None, datastores: list[Any] | None = None,
+                  **options: Any) -> Proposer:
+    """Build the proposer for a method name; a clear error for unknown names or missing draft models.
+
+    `datastores` (token suffix arrays) are used by `retrieval` and `rasd` and ignored by the others; `rasd`
+    uses the draft model when one is given and works without one (see its module docstring).
+    """
     if method == "ar":
         return NoDraftProposer()
     if method == "pld":
@@ -22,8 +29,12 @@ def make_proposer(method: str, draft_model: Any = None, **options: Any) -> Propo
         if draft_model is None:
             raise ValueError("method 'draft' needs a draft model (--draft-model) sharing the target's tokenizer")
         return DraftModelProposer(draft_model, **options)
+    if method == "retrieval":
+        return RetrievalProposer(datastores, **options)
+    if method == "rasd":
+        return RasdProposer(datastores, draft_model=draft_model, **options)
     raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
 
-__all__ = ["METHODS", "DraftModelProposer", "NoDraftProposer", "PromptLookupProposer", "Proposer",
-           "make_proposer"]
+__all__ = ["METHODS", "DraftModelProposer", "NoDraftProposer", "PromptLookupProposer", "Proposer", "RasdProposer",
+           "RetrievalProposer", "make_proposer"]

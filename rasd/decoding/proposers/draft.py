@@ -36,10 +36,12 @@ class DraftModelProposer:
         self.cached: list[int] = []     # tokens whose keys/values are in self.cache
         self.sampling = GREEDY
         self.gen = torch.Generator().manual_seed(seed)
+        self.root_logits: torch.Tensor | None = None   # [vocab] draft logits at the root of self.cached
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         self.cache = TreeCache.for_model(self.model)
         self.cached = []
+        self.root_logits = None
         self.sampling = sampling
         if sampling.seed is not None:
             self.gen.manual_seed(sampling.seed + 1)
@@ -60,8 +62,22 @@ class DraftModelProposer:
     def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
         """The cache catches up in the next `propose`."""
 
+    @torch.inference_mode()
+    def root_probs(self, context: list[int]) -> torch.Tensor:
+        """Draft next-token probabilities [vocab] after `context` (temperature 1, unwarped).
+
+        RASD prunes retrieved branches with them; right after `propose(context)` they come from that
+        draft forward for free.
+        """
+        logits = self.root_logits
+        if logits is None or self.cached != context:
+            logits = self._sync(context)   # leaves the cache holding exactly `context`
+        return logits.softmax(-1)
+
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Make the cache hold context[:-1] + root and return the draft logits at the root [vocab]."""
+        if self.root_logits is not None and self.cached == context:
+            return self.root_logits      # already synced (root_probs ran first): no forward needed
         common = 0
         limit = min(len(self.cached), len(context) - 1)
         while common < limit and self.cached[common] == context[common]:
@@ -72,7 +88,8 @@ class DraftModelProposer:
         pos = torch.arange(common, len(context), device=self.device)[None]
         out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **cache_kwargs(self.model, self.cache))
         self.cached = list(context)
-        return out.logits[0, -1].float()
+        self.root_logits = out.logits[0, -1].float()
+        return self.root_logits
 
     def _forward_nodes(self, tree: DraftTree, first: int, context_len: int) -> torch.Tensor:
         """Draft logits [n, vocab] for tree nodes first.. (earlier non-root nodes are already cached)."""

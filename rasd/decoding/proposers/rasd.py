@@ -1,0 +1,82 @@
+"""`rasd`: retrieval (datastore + scoped documents + context) pruned and fused with a draft model's tree.
+
+Each step (arXiv 2503.03434): the retrieval tree is built (`RetrievalProposer`), its branches are pruned by
+the draft model's next-token probabilities and their retrieval counts, the draft model proposes its own
+tree, and the kept retrieval paths are grafted into it by longest-prefix matching within the node budget;
+the target verifies the fused tree once. Nodes keep their source ("draft", "datastore", "documents",
+"context"; a token proposed by both the draft and retrieval is tagged "draft"), so statistics show whose
+tokens got accepted, and `DecodeStats.pruned_nodes` counts what pruning removed.
+
+Without a draft model (the embedded default has no smaller sibling sharing its tokenizer) `rasd` still
+works: the context, datastore and document tries are fused and pruned by retrieval counts alone, unless a
+`probs_fn` (any `context -> next-token probabilities [vocab]`, e.g. Token Recycling later) is given.
+
+Sampling stays exact: the draft tree (whose nodes were sampled from q) is built first and kept whole;
+retrieval nodes are deterministic candidates grafted after the sampled ones (see `fusion`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rasd.decoding.fusion import ProbsFn, PruneConfig, fuse, prune
+from rasd.decoding.proposers.draft import DraftModelProposer
+from rasd.decoding.proposers.retrieval import RetrievalProposer
+from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.tree import DraftTree
+from rasd.decoding.verify import Verdict
+
+if TYPE_CHECKING:   # the index package may pull in heavy deps (FAISS); import it lazily
+    from rasd.index.suffix_array import SuffixArray
+
+
+class RasdProposer:
+    """Retrieval tree, pruned by a probability source, fused into the draft model's tree."""
+
+    name = "rasd"
+
+    def __init__(self, datastores: Sequence[SuffixArray] | None = None, draft_model: torch.nn.Module | None = None,
+                 prune_config: PruneConfig | None = None, probs_fn: ProbsFn | None = None,
+                 draft_options: dict[str, Any] | None = None, **retrieval_options: Any):
+        self.retrieval = RetrievalProposer(datastores, **retrieval_options)
+        self.draft = None if draft_model is None else DraftModelProposer(draft_model, **(draft_options or {}))
+        self.model = draft_model          # the engine installs its fast kernels on `proposer.model`
+        self.prune_config = prune_config or PruneConfig()
+        self.probs_fn = probs_fn if probs_fn is not None else (self.draft.root_probs if self.draft else None)
+
+    def scope(self, doc_tokens: Sequence[Sequence[int]] | None) -> None:
+        """This request's retrieved documents (see `RetrievalProposer.scope`)."""
+        self.retrieval.scope(doc_tokens)
+
+    def set_datastores(self, datastores: Sequence[SuffixArray] | None) -> None:
+        """Replace the whole-index datastores."""
+        self.retrieval.set_datastores(datastores)
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        self.retrieval.start(prompt_ids, sampling)
+        if self.draft is not None:
+            self.draft.start(prompt_ids, sampling)
+
+    def propose(self, context: list[int], max_nodes: int) -> DraftTree:
+        if max_nodes <= 0:
+            return DraftTree.root_only(context[-1])
+        retrieved = self.retrieval.propose(context, max_nodes)
+        probs = self.probs_fn(context) if self.probs_fn is not None and retrieved.num_draft_tokens else None
+        kept, pruned = prune(retrieved, probs, self.prune_config)
+        tree = self._draft_tree(context, max_nodes, kept.num_draft_tokens)
+        tree = fuse(tree, kept, max_nodes)
+        tree.bucket, tree.pruned = retrieved.bucket, pruned
+        return tree
+
+    def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
+        """Both parts catch up lazily in `propose`."""
+
+    def _draft_tree(self, context: list[int], max_nodes: int, retrieved_nodes: int) -> DraftTree:
+        """The draft model's tree (root only without one), leaving room for up to half the budget of retrieval."""
+        if self.draft is None:
+            return DraftTree.root_only(context[-1])
+        budget = max(max_nodes - min(retrieved_nodes, max_nodes // 2), 1)
+        return self.draft.propose(context, budget)
