@@ -7,6 +7,7 @@ distribution a draft token was sampled from (known only for sampled drafts).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -53,9 +54,15 @@ def tree_forward(model: torch.nn.Module, cache: TreeCache, tree: DraftTree) -> t
     The tree's keys/values are appended to `cache`; call `cache.keep()` afterwards to drop rejected nodes.
     """
     past_len = cache.get_seq_length()
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    input_ids, position_ids, mask = tree_inputs(tree, past_len, dtype, device)
+    param = next(model.parameters())
+    if len(tree) == 1:
+        # Plain decoding step: one query sees the whole cache, so no mask is needed, and without one sdpa
+        # skips building and applying a [1, 1, 1, past_len + 1] float mask every step.
+        input_ids = torch.tensor([tree.tokens], dtype=torch.long, device=param.device)
+        position_ids = torch.tensor([[past_len]], dtype=torch.long, device=param.device)
+        mask = None
+    else:
+        input_ids, position_ids, mask = tree_inputs(tree, past_len, param.dtype, param.device)
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                 use_cache=True, **cache_kwargs(model, cache))
     return out.logits[0].float()
@@ -63,8 +70,13 @@ def tree_forward(model: torch.nn.Module, cache: TreeCache, tree: DraftTree) -> t
 
 def cache_kwargs(model: torch.nn.Module, cache: TreeCache) -> dict[str, TreeCache]:
     """Pass the cache under the name this transformers version expects (`cache` from 5.2x on)."""
-    params = inspect.signature(type(model).forward).parameters
-    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+    return {_cache_arg(type(model)): cache}
+
+
+@functools.cache
+def _cache_arg(model_class: type) -> str:
+    """Looked up once per model class: `inspect.signature` on every decoding step costs measurable time."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
