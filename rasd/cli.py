@@ -25,9 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rasd", description="Lossless retrieval-augmented speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    from rasd.index import cli as index_cli
     from rasd.pipelines import bench, docqa
 
     bench.register(sub)
+    index_cli.register(sub)
     docqa.register(sub)
     return parser
 

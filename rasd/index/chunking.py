@@ -1,0 +1,136 @@
+"""Tokenizing documents with the TARGET model's tokenizer and cutting them into overlapping chunks.
+
+Why the target tokenizer: the same token ids feed the suffix-array datastore, whose continuations are
+proposed as draft tokens to that model; chunks cut on those tokens fit its context budget exactly.
+Chunk text is a slice of the document by character offsets from the tokenizer, so it is exact (never
+re-decoded text with spacing artefacts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from rasd.index.errors import IndexInputError
+
+# A fixed text whose token ids are part of the tokenizer fingerprint: two tokenizers with the same vocabulary
+# but different merges or normalisation still tokenize it differently.
+_PROBE = "Retrieval-augmented decoding, naïve café 12,345.67 — 東京 🙂\n\tdef f(x): return x**2  # ok"
+
+
+@dataclass
+class TokenizedDocument:
+    """Token ids of a whole document and each token's [start, end) character span in its text."""
+
+    ids: np.ndarray       # [n_tokens] int32
+    offsets: np.ndarray   # [n_tokens, 2] int64
+
+
+@dataclass
+class Chunk:
+    """A chunk of one document: token range [token_start, token_end) and its exact text span."""
+
+    doc_index: int
+    token_start: int
+    token_end: int
+    char_start: int
+    char_end: int
+    text: str
+
+
+def resolve_tokenizer_path(name: str) -> str:
+    """`default` is the embedded SmolLM2 (converted once); anything else is a hub id or local path."""
+    if name == "default":
+        from rasd.decoding.models import default_model_path
+
+        return str(default_model_path())
+    return name
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(name: str) -> Any:
+    """The HF tokenizer for a model name (`default`, hub id or path); cached because loading takes ~0.5 s."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_tokenizer_path(name))
+    except Exception as exc:  # noqa: BLE001 - HF raises many types; the person needs one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise IndexInputError(f"cannot load the tokenizer of model {name!r}: {first}") from exc
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of the vocabulary and of the ids of a probe text: equal fingerprints tokenize alike.
+
+    Why not the name: `default`, the converted folder's path, and a LoadedModel's tokenizer are one
+    tokenizer under three names, while two checkpoints may share a name with different vocabularies.
+    """
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    probe = list(tokenizer(_PROBE, add_special_tokens=False)["input_ids"])
+    payload = json.dumps({"vocab": vocab, "probe": probe}, ensure_ascii=False).encode("utf-8")
+    return hashlib.sha256(payload).hexdigest()[:32]
+
+
+def tokenize_documents(tokenizer: Any, texts: Sequence[str], progress: bool = False,
+                       batch_size: int = 64) -> list[TokenizedDocument]:
+    """Token ids and character offsets of whole documents, without special tokens (no BOS in the datastore)."""
+    from tqdm.auto import tqdm
+
+    if not getattr(tokenizer, "is_fast", False):
+        raise IndexInputError(f"the tokenizer {type(tokenizer).__name__} is not a fast tokenizer; "
+                              "character offsets (needed for exact chunk text) need one")
+    out: list[TokenizedDocument] = []
+    hf_log = logging.getLogger("transformers.tokenization_utils_base")
+    level = hf_log.level
+    hf_log.setLevel(logging.ERROR)   # "sequence longer than the model's maximum" is expected for documents
+    try:
+        with tqdm(total=len(texts), desc="tokenizing", unit="doc", disable=not progress) as bar:
+            for i in range(0, len(texts), batch_size):
+                batch = list(texts[i:i + batch_size])
+                enc = tokenizer(batch, add_special_tokens=False, return_offsets_mapping=True)
+                for ids, offsets in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
+                    out.append(TokenizedDocument(np.asarray(ids, dtype=np.int32),
+                                                 np.asarray(offsets, dtype=np.int64).reshape(-1, 2)))
+                bar.update(len(batch))
+    finally:
+        hf_log.setLevel(level)
+    return out
+
+
+def chunk_spans(n_tokens: int, chunk_tokens: int, overlap: int) -> list[tuple[int, int]]:
+    """[start, end) token windows of `chunk_tokens` advancing by chunk_tokens - overlap.
+
+    The last window always holds tokens no earlier window had (a tail made only of overlap is dropped).
+    """
+    if chunk_tokens < 1 or not 0 <= overlap < chunk_tokens:
+        raise IndexInputError(f"need chunk_tokens >= 1 and 0 <= overlap < chunk_tokens "
+                              f"(got {chunk_tokens}, {overlap})")
+    if n_tokens == 0:
+        return []
+    step = chunk_tokens - overlap
+    spans = []
+    start = 0
+    while True:
+        end = min(start + chunk_tokens, n_tokens)
+        spans.append((start, end))
+        if end >= n_tokens:
+            return spans
+        start += step
+
+
+def chunk_document(doc_index: int, text: str, tokens: TokenizedDocument, chunk_tokens: int,
+                   overlap: int) -> list[Chunk]:
+    """Chunks of one tokenized document; text spans run from the first token's start to the last's end."""
+    chunks = []
+    for start, end in chunk_spans(len(tokens.ids), chunk_tokens, overlap):
+        c0 = int(tokens.offsets[start:end, 0].min())
+        c1 = int(tokens.offsets[start:end, 1].max())
+        chunks.append(Chunk(doc_index, start, end, c0, c1, text[c0:c1]))
+    return chunks

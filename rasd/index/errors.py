@@ -1,0 +1,23 @@
+"""Errors of the retrieval index, each meant to be shown to a person as one line.
+
+One base class lets the CLI (and the service) turn every index problem into a one-line message without
+catching unrelated bugs.
+"""
+
+from __future__ import annotations
+
+
+class IndexStoreError(RuntimeError):
+    """Base class: something about an index or its inputs that a person can fix."""
+
+
+class IndexInputError(IndexStoreError, ValueError):
+    """Bad documents or arguments (binary file, unsupported extension, no text, bad option)."""
+
+
+class IndexOpenError(IndexStoreError):
+    """An index directory cannot be opened: missing, not an index, corrupt manifest, missing/changed files."""
+
+
+class TokenizerMismatchError(IndexStoreError):
+    """The index's token datastore was made with another tokenizer than the one asked for."""

@@ -1,0 +1,216 @@
+"""Writing an index: build, add (a new segment) and compact (merge segments), each one atomic commit.
+
+Every writer takes the index's lock, removes what an earlier crashed writer left (temporary dirs, segment
+dirs the manifest does not list, temporary manifests), writes its new segment completely, and only then
+renames a new manifest.json into place. Old segment directories are removed after that commit, so a crash
+anywhere leaves the last committed index readable, and at worst some garbage for the next writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rasd.index.chunking import load_tokenizer, tokenize_documents, tokenizer_fingerprint
+from rasd.index.documents import Document, load_documents
+from rasd.index.embed import embed_texts, embedding_dim, load_embedder
+from rasd.index.errors import IndexInputError, TokenizerMismatchError
+from rasd.index.fsio import LOCK_NAME, crash_point, fsync_dir, writer_lock
+from rasd.index.manifest import MANIFEST_NAME, commit_manifest, new_manifest, read_manifest
+from rasd.index.segment import (
+    SEGMENT_PREFIX,
+    TMP_PREFIX,
+    SegmentData,
+    concat_segment_data,
+    make_segment_data,
+    read_segment_data,
+    with_id_starts,
+    write_segment,
+)
+from rasd.index.store import Index
+from rasd.index.vectors import FAISS_KINDS
+
+log = logging.getLogger("rasd.index")
+
+DEFAULT_CHUNK_TOKENS = 192
+DEFAULT_OVERLAP = 32
+Sources = Sequence[str | Path | Document] | str | Path | Document
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _is_ours(name: str) -> bool:
+    """Directory entries a writer owns (everything else in DIR is left alone)."""
+    return name.startswith((SEGMENT_PREFIX, TMP_PREFIX)) or name.startswith(f"{MANIFEST_NAME}.tmp")
+
+
+def cleanup_leftovers(root: Path, manifest: dict[str, Any] | None) -> list[str]:
+    """Remove temporary files/dirs and unlisted segment dirs (call only while holding the writer lock)."""
+    listed = {s["name"] for s in manifest["segments"]} if manifest else set()
+    removed = []
+    for entry in sorted(root.iterdir()):
+        if entry.name in listed or not _is_ours(entry.name):
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry.name)
+        crash_point("cleanup")
+    if removed:
+        fsync_dir(root)
+        log.info("%s: removed leftovers of an earlier writer or old segments: %s", root, ", ".join(removed))
+    return removed
+
+
+def _next_segment_name(manifest: dict[str, Any]) -> str:
+    """seg-<counter>-<random>: ordered for people, unique even if a crashed writer used the same counter."""
+    name = f"{SEGMENT_PREFIX}{manifest['next_segment']:06d}-{secrets.token_hex(3)}"
+    manifest["next_segment"] += 1
+    return name
+
+
+def _embed_fn(embedder: Any, progress: bool) -> Any:
+    return lambda texts: embed_texts(embedder, texts, progress=progress)
+
+
+def _segment_data(docs: list[Document], tokenizer: Any, embedder: Any, doc_id_start: int, chunk_id_start: int,
+                  chunking: dict[str, int], progress: bool) -> SegmentData:
+    tokenized = tokenize_documents(tokenizer, [d.text for d in docs], progress=progress)
+    return make_segment_data(docs, tokenized, _embed_fn(embedder, progress), doc_id_start, chunk_id_start,
+                             chunking["chunk_tokens"], chunking["overlap"])
+
+
+def _check_out_dir(root: Path, overwrite: bool) -> dict[str, Any] | None:
+    """The existing manifest when overwriting; errors for an index or a folder of someone else's files."""
+    if root.exists() and not root.is_dir():
+        raise IndexInputError(f"{root}: exists and is not a directory")
+    if not root.exists():
+        return None
+    if (root / MANIFEST_NAME).exists():
+        if not overwrite:
+            raise IndexInputError(f"{root}: already holds an index; use `rasd index add` to append documents, "
+                                  "or --overwrite to replace it")
+        return read_manifest(root)
+    foreign = [p.name for p in root.iterdir() if p.name != LOCK_NAME and not _is_ours(p.name)]
+    if foreign:
+        raise IndexInputError(f"{root}: exists and is not empty (and not a rasd index); choose a new folder")
+    return None
+
+
+def _validate_options(chunk_tokens: int, overlap: int, faiss: str) -> None:
+    if faiss not in FAISS_KINDS:
+        raise IndexInputError(f"unknown FAISS index kind {faiss!r}; choose one of {', '.join(FAISS_KINDS)}")
+    if chunk_tokens < 1 or not 0 <= overlap < chunk_tokens:
+        raise IndexInputError(f"need --chunk-tokens >= 1 and 0 <= --overlap < --chunk-tokens "
+                              f"(got {chunk_tokens} and {overlap})")
+
+
+# --------------------------------------------------------------------------------------------- build / add
+
+
+def build_index(paths: Sources, out: str | Path, model: str = "default", embedder: str = "default",
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, overlap: int = DEFAULT_OVERLAP, faiss: str = "flat",
+                overwrite: bool = False, progress: bool = False) -> Index:
+    """Build a new index at `out` from files, folders and/or in-memory `Document`s; returns it opened.
+
+    `model` names the target model whose tokenizer cuts chunks and fills the token datastore.
+    """
+    _validate_options(chunk_tokens, overlap, faiss)
+    root = Path(out)
+    _check_out_dir(root, overwrite)
+    docs = load_documents(paths)
+    tokenizer, emb = load_tokenizer(model), load_embedder(embedder)
+    manifest = new_manifest({"name": model, "fingerprint": tokenizer_fingerprint(tokenizer),
+                             "vocab_size": len(tokenizer)}, {"name": embedder, "dim": embedding_dim(emb)},
+                            chunk_tokens, overlap, faiss)
+    data = _segment_data(docs, tokenizer, emb, 0, 0, manifest["chunking"], progress)
+    root.mkdir(parents=True, exist_ok=True)
+    with writer_lock(root):
+        old = _check_out_dir(root, overwrite)    # again under the lock: another writer may have been first
+        if old is not None:
+            manifest["next_segment"] = old["next_segment"]
+            manifest["created"] = old.get("created", manifest["created"])
+        cleanup_leftovers(root, old)
+        manifest["segments"] = [write_segment(root, _next_segment_name(manifest), data, faiss)]
+        commit_manifest(root, manifest)
+        crash_point("committed")
+        cleanup_leftovers(root, manifest)
+    return Index.open(root)
+
+
+def _resolve_tokenizer(manifest: dict[str, Any], model: str | None) -> Any:
+    """The manifest's tokenizer (or `model`'s, which must tokenize identically)."""
+    expected = manifest["tokenizer"]
+    tokenizer = load_tokenizer(model or expected["name"])
+    if tokenizer_fingerprint(tokenizer) != expected["fingerprint"]:
+        who = f"--model {model!r}" if model else f"the tokenizer now loaded for {expected['name']!r}"
+        raise TokenizerMismatchError(f"{who} does not match the index's tokenizer (built with "
+                                     f"{expected['name']!r}); documents must be tokenized the same way")
+    return tokenizer
+
+
+def _resolve_embedder(manifest: dict[str, Any], embedder: str | None) -> Any:
+    expected = manifest["embedder"]["name"]
+    if embedder is not None and embedder != expected:
+        raise IndexInputError(f"the index embeds with {expected!r}, not {embedder!r}; vectors of different "
+                              "embedders cannot be searched together")
+    return load_embedder(expected)
+
+
+def add_documents(path: str | Path, paths: Sources, model: str | None = None, embedder: str | None = None,
+                  progress: bool = False) -> Index:
+    """Append documents as a new segment (no rebuild); ids continue after the existing ones."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    docs = load_documents(paths)
+    tokenizer = _resolve_tokenizer(manifest, model)
+    emb = _resolve_embedder(manifest, embedder)
+    data_chunking, data_tokenizer = manifest["chunking"], manifest["tokenizer"]
+    data = _segment_data(docs, tokenizer, emb, 0, 0, manifest["chunking"], progress)
+    with writer_lock(root):
+        manifest = read_manifest(root)           # the committed state under the lock
+        if manifest["chunking"] != data_chunking or manifest["tokenizer"] != data_tokenizer:
+            raise IndexInputError(f"{root}: the index was rebuilt while documents were being added; add again")
+        cleanup_leftovers(root, manifest)
+        last = manifest["segments"][-1] if manifest["segments"] else None
+        doc_start = last["doc_id_start"] + last["num_documents"] if last else 0
+        chunk_start = last["chunk_id_start"] + last["num_chunks"] if last else 0
+        data = with_id_starts(data, doc_start, chunk_start)
+        entry = write_segment(root, _next_segment_name(manifest), data, manifest["faiss"])
+        manifest["segments"] = manifest["segments"] + [entry]
+        commit_manifest(root, manifest)
+        crash_point("committed")
+    return Index.open(root)
+
+
+def compact_index(path: str | Path, faiss: str | None = None) -> Index:
+    """Merge all segments into one, reusing stored embeddings (nothing is re-embedded or re-tokenized).
+
+    The merged segment equals a one-shot build of the same documents. Old segment directories are removed
+    only after the new manifest is committed; every source file's checksum is verified first so that a
+    corrupted file is never merged into the new segment.
+    """
+    root = Path(path)
+    with writer_lock(root):
+        manifest = read_manifest(root)
+        cleanup_leftovers(root, manifest)
+        kind = faiss or manifest["faiss"]
+        if kind not in FAISS_KINDS:
+            raise IndexInputError(f"unknown FAISS index kind {kind!r}; choose one of {', '.join(FAISS_KINDS)}")
+        if len(manifest["segments"]) <= 1 and kind == manifest["faiss"]:
+            log.info("%s: already one segment; nothing to compact", root)
+            return Index.open(root)
+        Index.open(root, verify=True)            # sizes and checksums of everything about to be merged
+        parts = [read_segment_data(root / e["name"], e) for e in manifest["segments"]]
+        entry = write_segment(root, _next_segment_name(manifest), concat_segment_data(parts), kind)
+        manifest["segments"], manifest["faiss"] = [entry], kind
+        commit_manifest(root, manifest)
+        crash_point("committed")
+        cleanup_leftovers(root, manifest)
+    return Index.open(root)
