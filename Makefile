@@ -22,8 +22,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/rasd generate --model default --method pld --chat --max-new-tokens 160 \
-	  --prompt-file examples/sample_prompt.txt
+	$(BIN)/rasd ask --index sample --method rasd --max-new-tokens 160 \
+	  "How does the else clause of a for loop work, and when is it skipped?"
 
 test: $(STAMP)
 	$(BIN)/ruff check rasd tests scripts

@@ -896,7 +896,7 @@ def _prompts(args: argparse.Namespace, items: list[BenchItem], target: LoadedMod
         from rasd.pipelines.bench_docqa import RetrievalScope
 
         index = Index.open(args.index)
-        check_tokenizer(index, target.name)
+        check_tokenizer(index, target)
         for prompt in prompts:
             prompt.scope = RetrievalScope(index.datastores(), [])
     return prompts

@@ -63,7 +63,8 @@ def row_index(context: str, source: str, model: str, log: Callable[[str], None])
     """The row's index, built once and cached by (content, model) hash."""
     from rasd.decoding.models import rasd_home
     from rasd.index.documents import Document
-    from rasd.index.store import Index, build_index
+    from rasd.index.store import Index
+    from rasd.index.writer import build_index
 
     digest = hashlib.sha256(f"{model}\0{context}".encode()).hexdigest()[:20]
     path = rasd_home() / "bench-indexes" / digest

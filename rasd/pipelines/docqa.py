@@ -88,7 +88,7 @@ class DocQA:
                  sizing: str = "cost"):
         from rasd.index.store import check_tokenizer
 
-        check_tokenizer(index, target.name)
+        check_tokenizer(index, target)
         self.index, self.target, self.method = index, target, method
         self.top_k, self.chat, self.max_new_tokens = top_k, chat, max_new_tokens
         datastores = index.datastores() if method in RETRIEVAL_METHODS else None

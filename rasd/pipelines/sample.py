@@ -38,7 +38,7 @@ def ensure_sample_index(model: str = "default") -> Path:
     """The sample index for `model`'s tokenizer, built (atomically, by the index package) if missing."""
     import sys
 
-    from rasd.index.store import build_index
+    from rasd.index.writer import build_index
 
     path = sample_index_path(model)
     if not (path / "manifest.json").exists():
