@@ -65,3 +65,67 @@ def test_qa_rows_keeps_rows_with_context_and_question(tmp_path: Path) -> None:
     assert [q for _, _, q in qa_rows(path, categories=["hotpotqa"])] == ["q1", "q3"]
     with pytest.raises(ValueError, match="no rows"):
         qa_rows(path, categories=["nothing"])
+
+
+# ------------------------------------------------------------------------- end to end on the real model
+
+DOCS = [
+    ("Lighthouses", "The Eddystone Lighthouse stands on rocks south of Plymouth. The present tower, designed by "
+                    "James Douglass, was first lit in 1882 and is the fourth lighthouse on the site."),
+    ("Bridges", "The Forth Bridge is a cantilever railway bridge across the Firth of Forth in Scotland. It opened "
+                "in 1890 and was designed by John Fowler and Benjamin Baker."),
+    ("Canals", "The Caledonian Canal connects the Scottish east coast at Inverness with the west coast at Corpach "
+               "near Fort William. It was designed by Thomas Telford and opened in 1822."),
+]
+
+
+@pytest.fixture(scope="module")
+def qa_setup(tmp_path_factory):
+    from rasd.decoding.models import load_model
+    from rasd.index import Document, build_index
+    from rasd.index.store import Index
+
+    path = tmp_path_factory.mktemp("docqa") / "index"
+    build_index([Document(text=t, source=f"test:{title}", title=title) for title, t in DOCS], path)
+    return Index.open(path), load_model("default")
+
+
+@pytest.mark.slow
+def test_docqa_methods_equal_hf_greedy_on_the_same_prompt(qa_setup) -> None:
+    import torch
+
+    from rasd.pipelines.docqa import DocQA
+
+    index, target = qa_setup
+    question = "Who designed the Forth Bridge and when did it open?"
+    answers = {m: DocQA(index, target, method=m, top_k=2, max_new_tokens=48).ask(question)
+               for m in ("ar", "retrieval", "rasd")}
+    assert answers["rasd"].sources[0].title == "Bridges"
+    ids, _ = DocQA(index, target, method="ar", top_k=2, max_new_tokens=48).prepare(question)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        ref = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
+                                    eos_token_id=sorted(target.eos_token_ids), pad_token_id=0)[0, len(ids):].tolist()
+    for method, answer in answers.items():
+        assert answer.token_ids == ref, method
+    assert answers["rasd"].stats.mean_accepted_tokens > 1.0
+    by_source = answers["rasd"].stats.accepted_by_source      # the answer copies spans of the sources
+    assert by_source.get("documents", 0) + by_source.get("datastore", 0) + by_source.get("context", 0) > 0
+
+
+@pytest.mark.slow
+def test_rasd_ask_cli_json_and_errors(qa_setup, tmp_path: Path, capsys) -> None:
+    from rasd.cli import main
+
+    index, _ = qa_setup
+    rc = main(["ask", "--index", str(index.root), "--top-k", "1", "--max-new-tokens", "16", "--json",
+               "When was the Caledonian Canal opened?"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and set(out) >= {"answer", "sources", "stats"}
+    assert out["sources"][0]["text"].startswith("The Caledonian Canal")
+    assert set(out["sources"][0]) >= {"doc_id", "chunk_id", "score", "text"}
+    assert main(["ask", "--index", str(tmp_path / "missing"), "q?"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rasd: error:")
+    assert main(["ask", "--index", str(index.root), "   "]) == 2
+    assert "empty" in capsys.readouterr().err
