@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +65,38 @@ def chat_prompt(tok: Any, doc_ids: list[int], question: str, chunk: int) -> list
     return [int(t) for t in enc["input_ids"]]
 
 
+def run_one(decoder: Any, prompt: list[int], doc: list[int], max_new_tokens: int) -> tuple[list[int], Any]:
+    """One greedy generation scoped to its document: (new tokens, statistics)."""
+    if hasattr(decoder.proposer, "scope"):
+        decoder.proposer.scope([doc])
+    out = decoder.generate(prompt, max_new_tokens, eos_token_ids={EOS})
+    return out.token_ids, out.stats
+
+
+def summarise(label: str, stats: list[Any]) -> dict[str, Any]:
+    """Means over runs; decode tokens/s as total decode tokens over total decode time (robust to short runs)."""
+    by_source: dict[str, int] = {}
+    for s in stats:
+        for k, v in s.accepted_by_source.items():
+            by_source[k] = by_source.get(k, 0) + v
+    steps = sum(s.steps for s in stats)
+    return {"setting": label,
+            "mean_accepted_tokens": round(sum(s.num_accepted_tokens + s.steps for s in stats) / max(steps, 1), 3),
+            "decode_tokens_per_s": round(sum(s.new_tokens - 1 for s in stats) / sum(s.decode_time_s for s in stats), 2),
+            "median_run_tokens_per_s": round(statistics.median(s.tokens_per_s for s in stats), 2),
+            "mean_tree_nodes": round(sum(sum(s.tree_sizes) for s in stats) / max(steps, 1), 2),
+            "verify_ms_per_step": round(1000 * sum(s.verify_time_s for s in stats) / max(steps, 1), 1),
+            "draft_ms_per_step": round(1000 * sum(s.draft_time_s for s in stats) / max(steps, 1), 2),
+            "pruned_nodes": sum(s.pruned_nodes for s in stats), "accepted_by_source": by_source}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--chunk-tokens", type=int, default=1000)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma list; the first is the reference")
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     loaded = load_model("default")
@@ -81,35 +107,28 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [chat_prompt(tok, d, r["question"], args.chunk_tokens) for d, r in zip(docs, selected, strict=True)]
     print(f"{len(prompts)} prompts ({[len(p) for p in prompts]} tokens), datastore {len(store)} tokens",
           file=sys.stderr)
-    reference: dict[int, list[int]] = {}
-    results = []
-    for label in args.settings.split(","):
+    labels = args.settings.split(",")
+    decoders = {}
+    for label in labels:
         method, options = SETTINGS[label]
-        decoder = build_decoder(loaded, method, datastores=[store], **options)
+        decoders[label] = build_decoder(loaded, method, datastores=[store], **options)
         for prompt in prompts:      # measure (or load) cost curves before timing anything
-            if hasattr(decoder.sizer, "curve_for"):
-                decoder.sizer.curve_for(len(prompt))
-        accepted, speed, draft_s, pruned, by_source = [], [], 0.0, 0, {}
+            curve_for = getattr(decoders[label].sizer, "curve_for", None)
+            for n in range(len(prompt), len(prompt) + args.max_new_tokens + 1) if curve_for else ():
+                curve_for(n)
+    runs: dict[str, list[tuple[list[int], Any]]] = {label: [] for label in labels}
+    for rep in range(args.repeats):
         for i, (prompt, doc) in enumerate(zip(prompts, docs, strict=True)):
-            if hasattr(decoder.proposer, "scope"):
-                decoder.proposer.scope([doc])
-            t0 = time.perf_counter()
-            out = decoder.generate(prompt, args.max_new_tokens, eos_token_ids={EOS})
-            wall = time.perf_counter() - t0
-            ref = reference.setdefault(i, out.token_ids)
-            assert out.token_ids == ref, f"{label}: prompt {i} differs from ar"
-            accepted.append(out.stats.mean_accepted_tokens)
-            speed.append(out.stats.tokens_per_s)
-            draft_s += out.stats.draft_time_s
-            pruned += out.stats.pruned_nodes
-            for k, v in out.stats.accepted_by_source.items():
-                by_source[k] = by_source.get(k, 0) + v
-            print(f"  {label} #{i}: {len(out.token_ids)} tokens, {wall:.1f}s, {out.stats.summary()}", file=sys.stderr)
-        row = {"setting": label, "mean_accepted_tokens": round(statistics.mean(accepted), 3),
-               "decode_tokens_per_s": round(statistics.mean(speed), 2), "draft_time_s": round(draft_s, 2),
-               "pruned_nodes": pruned, "accepted_by_source": by_source}
-        results.append(row)
-        print(json.dumps(row))
+            shift = (i + rep) % len(labels)          # rotate the order: load spikes hit every setting alike
+            for label in labels[shift:] + labels[:shift]:
+                runs[label].append(run_one(decoders[label], prompt, doc, args.max_new_tokens))
+                print(f"  {label} #{i}: {runs[label][-1][1].summary()}  load {os.getloadavg()[0]:.1f}", file=sys.stderr)
+    results, reference = [], runs[labels[0]]
+    for label in labels:
+        for (got, _), (ref, _) in zip(runs[label], reference, strict=True):
+            assert got == ref, f"{label} differs from {labels[0]}"
+        results.append(summarise(label, [stats for _, stats in runs[label]]))
+        print(json.dumps(results[-1]))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0
