@@ -205,6 +205,24 @@ def test_sizer_cut_is_prefix_closed_and_keeps_the_likely_branch() -> None:
     assert sizer.cut(DraftTree.root_only(3), 100).tokens == [3]
 
 
+def test_sizer_never_drops_sampled_nodes_whatever_their_estimate() -> None:
+    """A node sampled from q must be kept or dropped independently of its token, or sampling is biased.
+
+    Even on a curve where speculation never pays and with drafts learnt to fail, the sampled chain stays;
+    only the deterministic nodes grafted beside it are ranked and cut.
+    """
+    import torch
+
+    sizer = trained_sizer(steep, accept=False)
+    tree = chain(3)
+    for i in range(1, 4):
+        tree.q[i] = torch.full((8,), 1 / 8)
+    tree.add(0, 77, "datastore")
+    cut = sizer.cut(tree, 100)
+    assert cut.tokens[:4] == tree.tokens[:4] and sorted(cut.q) == [1, 2, 3]
+    assert sizer.last_choice[1] >= 3
+
+
 def test_sizer_observe_tracks_overhead() -> None:
     sizer = CostAwareSizer(flat)
     sizer.observe(chain(1), [], overhead_s=0.01)

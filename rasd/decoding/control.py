@@ -147,20 +147,25 @@ class CostAwareSizer:
             return tree
         curve = self.curve_for(context_len)
         probs = self.estimator.path_probs(tree)
-        ranked = sorted(range(1, len(tree)), key=lambda i: (-probs[i], i))
-        limit = min(len(ranked), self.budget(context_len))
-        best_n, gain = 0, 1.0
-        best_value = self.margin / (self.latency(curve, 1) + self.overhead_s)
+        # Nodes sampled from q are never dropped one by one: their estimates depend on the sampled token
+        # (confidence = q(x)), and keeping x only for some values of x would bias the output distribution.
+        # The proposer already sized them with `budget()`; only deterministic nodes are ranked and cut.
+        sampled = sorted(tree.q)
+        ranked = sorted((i for i in range(1, len(tree)) if i not in tree.q), key=lambda i: (-probs[i], i))
+        limit = min(len(ranked), max(self.budget(context_len) - len(sampled), 0))
+        best_n, gain = 0, 1.0 + sum(probs[i] for i in sampled)
+        base = len(sampled) + 1
+        best_value = (self.margin if not sampled else gain) / (self.latency(curve, base) + self.overhead_s)
         for n in range(1, limit + 1):
             gain += probs[ranked[n - 1]]
-            value = gain / (self.latency(curve, n + 1) + self.overhead_s)
+            value = gain / (self.latency(curve, base + n) + self.overhead_s)
             if value > best_value:
                 best_n, best_value = n, value
         self._plain_steps = self._plain_steps + 1 if best_n == 0 else 0
         if self._plain_steps >= self.explore_every:   # estimates or costs may be stale: look again
             best_n, self._plain_steps = min(self.explore_nodes, limit), 0
-        self.last_choice = (tree.num_draft_tokens, best_n)
-        return tree.subtree(ranked[:best_n])
+        self.last_choice = (tree.num_draft_tokens, best_n + len(sampled))
+        return tree.subtree(sampled + ranked[:best_n])
 
     def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
                 verify_s: float | None = None) -> None:
