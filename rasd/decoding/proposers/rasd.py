@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rasd.decoding.fusion import ProbsFn, PruneConfig, fuse, prune
+from rasd.decoding.fusion import ProbsFn, PruneConfig, fuse, merge_trees, prune
 from rasd.decoding.proposers.draft import DraftModelProposer
-from rasd.decoding.proposers.retrieval import RetrievalProposer
+from rasd.decoding.proposers.retrieval import CONTEXT, RetrievalProposer, match_class
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict
@@ -63,12 +63,19 @@ class RasdProposer:
     def propose(self, context: list[int], max_nodes: int) -> DraftTree:
         if max_nodes <= 0:
             return DraftTree.root_only(context[-1])
-        retrieved = self.retrieval.propose(context, max_nodes)
+        trees = self.retrieval.candidate_trees(context, max_nodes)
+        own = [t for t in trees if t.sources[1] == CONTEXT]
+        retrieved = merge_trees(context[-1], [t for t in trees if t.sources[1] != CONTEXT], max_nodes)
         probs = self.probs_fn(context) if self.probs_fn is not None and retrieved.num_draft_tokens else None
         kept, pruned = prune(retrieved, probs, self.prune_config)
         tree = self._draft_tree(context, max_nodes, kept.num_draft_tokens)
-        tree = fuse(tree, kept, max_nodes)
-        tree.bucket, tree.pruned = retrieved.bucket, pruned
+        # The request's own text (prompt + output) goes in before the datastore: in document QA the cited
+        # chunks are in the prompt and small models repeat their own phrasing, so it is the best-accepted
+        # source (measured on LongBench QA rows); retrieval branches, pruned, fill the remaining budget.
+        for part in (*own, kept):
+            tree = fuse(tree, part, max_nodes)
+        tree.bucket = match_class(max((t.bucket for t in trees), default=0))
+        tree.pruned = pruned
         return tree
 
     def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
