@@ -237,3 +237,26 @@ def test_fixed_sizer() -> None:
     tree = chain(6)
     assert sizer.cut(tree, 10).tokens == [0, 1, 2, 3]
     sizer.observe(tree, [1], 0.1)   # learns nothing, raises nothing
+
+
+def test_sizer_exploration_backs_off_while_it_finds_nothing_and_resets_on_success() -> None:
+    """Failed explorations double the wait (bounded); one accepted exploration restores the base interval."""
+    sizer = trained_sizer(steep, accept=False)
+    sizer.explore_every = 4
+
+    def steps_until_exploration() -> int:
+        for n in range(1, 200):
+            cut = sizer.cut(chain(6), 100)
+            if cut.num_draft_tokens:
+                return n
+            sizer.observe(cut, [], overhead_s=0.0)
+        raise AssertionError("never explored")
+
+    waits = []
+    for _ in range(3):
+        waits.append(steps_until_exploration())
+        sizer.observe(chain(4), [], overhead_s=0.0)        # the exploration got nothing accepted
+    assert waits == [4, 8, 16]
+    steps_until_exploration()
+    sizer.observe(chain(4), [1], overhead_s=0.0)           # ... this one did
+    assert steps_until_exploration() == 4

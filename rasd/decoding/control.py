@@ -130,7 +130,12 @@ class CostAwareSizer:
         self.learn_latency = True
         self.explore_every = 16             # after this many plain steps, try a small tree once
         self.explore_nodes = 4
+        self.max_backoff = 16
         self._plain_steps = 0
+        # Exponential backoff: each exploration that gets nothing accepted doubles the wait before the next.
+        # Where drafts never help (free writing), a fixed interval costs ~2% (one bigger forward in 16).
+        self._backoff = 1
+        self._exploring = False
 
     def latency(self, curve: CostCurve, n_tokens: int) -> float:
         """Observed latency of this tree size when known, else the measured curve's."""
@@ -162,8 +167,10 @@ class CostAwareSizer:
             if value > best_value:
                 best_n, best_value = n, value
         self._plain_steps = self._plain_steps + 1 if best_n == 0 else 0
-        if self._plain_steps >= self.explore_every:   # estimates or costs may be stale: look again
+        self._exploring = False
+        if self._plain_steps >= self.explore_every * self._backoff:   # estimates/costs may be stale: look again
             best_n, self._plain_steps = min(self.explore_nodes, limit), 0
+            self._exploring = best_n > 0
         self.last_choice = (tree.num_draft_tokens, best_n + len(sampled))
         return tree.subtree(sampled + ranked[:best_n])
 
@@ -171,6 +178,9 @@ class CostAwareSizer:
                 verify_s: float | None = None) -> None:
         """Update acceptance posteriors, the per-step overhead and the observed latency of this size."""
         self.estimator.update(tree, accepted)
+        if self._exploring:
+            self._backoff = min(2 * self._backoff, self.max_backoff) if not accepted else 1
+            self._exploring = False
         self.overhead_s = overhead_s if self.overhead_s == 0 else 0.9 * self.overhead_s + 0.1 * overhead_s
         if verify_s is not None and self.learn_latency:
             old = self.observed.get(len(tree))
