@@ -223,3 +223,25 @@ def test_accept_greedy_hand_made(argmaxes: list[int], accepted: list[int], bonus
 
 def test_accept_greedy_root_only() -> None:
     assert accept_greedy(DraftTree.root_only(4), hand_logits([2])) == Verdict(accepted=[], bonus=2)
+
+
+def test_fast_tree_forward_stays_on_the_flash_attention_kernel() -> None:
+    """A strided query or a repeated-kv copy sends CPU sdpa to its math path (2x a plain step on SmolLM2)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = install(tiny_llama(1))
+    cache = prefilled(model, random_prompt(40, seed=3))
+    with fast_kernels(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        tree_forward(model, cache, branching_tree(root=8))
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+def test_fast_linear_returns_row_major_outputs() -> None:
+    layer = install(torch.nn.Sequential(torch.nn.Linear(16, 8)))[0]
+    x = torch.randn(1, 5, 16)
+    with fast_kernels():
+        out = layer(x)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))

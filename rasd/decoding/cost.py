@@ -11,7 +11,6 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import tempfile
 import time
 from bisect import bisect_left
@@ -29,6 +28,9 @@ from rasd.decoding.verify import cache_kwargs, tree_forward
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_BUCKETS = (256, 1024, 2048, 4096)
+# Part of the cache key: bump it whenever the verification kernels change cost, so that curves measured
+# with older kernels are measured again instead of steering tree sizes for ever.
+CURVE_VERSION = 2
 
 
 @dataclass
@@ -73,17 +75,19 @@ def curve_key(model: torch.nn.Module, name: str, device: str, dtype: str, bucket
     cfg = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
     digest = hashlib.sha256(cfg.encode()).hexdigest()[:10]
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[-40:]
-    return f"{safe}-{digest}-{device.replace(':', '')}-{dtype}-t{torch.get_num_threads()}-ctx{bucket}"
+    return (f"{safe}-{digest}-{device.replace(':', '')}-{dtype}-t{torch.get_num_threads()}-ctx{bucket}"
+            f"-v{CURVE_VERSION}")
 
 
 @torch.inference_mode()
 def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ...] = DEFAULT_SIZES,
-                  repeats: int = 4, key: str = "", progress: bool = True) -> CostCurve:
+                  repeats: int = 5, key: str = "", progress: bool = True) -> CostCurve:
     """Time tree verification forwards of each size on top of a `context_len`-token cache.
 
-    A chain tree is used: the mask shape, not its pattern, decides the cost. The median of `repeats`
-    after one warm-up is kept, and latencies are made non-decreasing (noise must not make a bigger tree
-    look cheaper than a smaller one).
+    A chain tree is used: the mask shape, not its pattern, decides the cost. The fastest of `repeats`
+    rounds after one warm-up is kept (other processes only ever add time, and a curve measured during a
+    burst of load would otherwise forbid speculation until it is re-measured), and latencies are made
+    non-decreasing (noise must not make a bigger tree look cheaper than a smaller one).
     """
     device = next(model.parameters()).device
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
@@ -107,7 +111,7 @@ def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ..
             if rep:
                 times[size].append(time.perf_counter() - t0)
             cache.crop(-size)
-    latencies = [statistics.median(times[size]) for size in sizes]
+    latencies = [min(times[size]) for size in sizes]
     for i in range(1, len(latencies)):
         latencies[i] = max(latencies[i], latencies[i - 1])
     return CostCurve(key=key, context_len=context_len, sizes=list(sizes), latency_s=latencies)
