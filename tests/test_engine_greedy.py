@@ -173,8 +173,9 @@ def flat_curve(context_len: int) -> CostCurve:
 
 def steep_curve(context_len: int) -> CostCurve:
     sizes = [1, 2, 4, 8, 16, 32, 64]
-    # seconds per token: the measured per-step overhead (ms) cannot make a bigger tree look cheap
-    return CostCurve(key="steep", context_len=256, sizes=sizes, latency_s=[1.0 * s for s in sizes])
+    # 100 s per token: the measured per-step overhead (ms; a second or so on a loaded machine) cannot make a
+    # bigger tree look cheap
+    return CostCurve(key="steep", context_len=256, sizes=sizes, latency_s=[100.0 * s for s in sizes])
 
 
 def cpu_like_curve(context_len: int) -> CostCurve:

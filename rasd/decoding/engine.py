@@ -22,7 +22,7 @@ from rasd.decoding.proposers import Proposer, make_proposer
 from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
 from rasd.decoding.stats import DecodeStats
 from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import cache_kwargs, verify
+from rasd.decoding.verify import Verdict, cache_kwargs, verify
 
 
 @dataclass
@@ -117,12 +117,23 @@ class SpeculativeDecoder:
 
 
 class GenerationStream:
-    """The step loop as an iterator, so callers can stream tokens as they are committed."""
+    """One request's decoding state and step loop; iterate it to stream committed token blocks.
+
+    The loop is split into `begin` (prefill), `propose` (draft + size a tree) and `commit` (apply a
+    verification verdict), so that a batch decoder can verify the trees of many streams in one forward and
+    still run exactly this per-request logic.
+    """
 
     def __init__(self, decoder: SpeculativeDecoder, prompt_ids: list[int], sampling: SamplingParams,
                  checker: _StopChecker):
         self.decoder, self.prompt_ids, self.sampling, self.checker = decoder, prompt_ids, sampling, checker
         self.output: GenerationOutput | None = None  # type: ignore[assignment]
+        self.stats = DecodeStats(method=decoder.method, prompt_tokens=len(prompt_ids))
+        self.gen = None if sampling.greedy else sampling.generator()
+        self.context: list[int] = []
+        self.generated: list[int] = []
+        self.reason: str | None = None
+        self._t_start = 0.0
         self._iter = self._run()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -133,63 +144,87 @@ class GenerationStream:
 
     @torch.inference_mode()
     def _run(self) -> Iterator[list[int]]:
-        dec, sampling = self.decoder, self.sampling
-        stats = DecodeStats(method=dec.method, prompt_tokens=len(self.prompt_ids))
-        gen = None if sampling.greedy else sampling.generator()
-        t_start = time.perf_counter()
-        cache = TreeCache.for_model(dec.model)
-        dec.proposer.start(self.prompt_ids, sampling)
-        with fast_kernels(dec.fast):
-            first = self._prefill(cache, gen)
-        context, generated = self.prompt_ids + [first], [first]
-        _, reason = self.checker.cut([], [first])
-        stats.prefill_time_s = time.perf_counter() - t_start
-        yield [first]
-        while reason is None:
-            if len(context) >= dec.max_context:
-                reason = "length"
-                break
-            with fast_kernels(dec.fast):
-                block, reason = self._step(cache, context, generated, stats, gen)
-            context += block
-            generated += block
+        cache = TreeCache.for_model(self.decoder.model)
+        with fast_kernels(self.decoder.fast):
+            first = self.begin(cache)
+        yield first
+        while self.reason is None:
+            with fast_kernels(self.decoder.fast):   # per step: never held across a yield to the caller
+                block = self.step(cache)
             if block:
                 yield block
-        stats.new_tokens = len(generated)
-        stats.finish_reason = reason
-        stats.total_time_s = time.perf_counter() - t_start
-        self.output = GenerationOutput(token_ids=generated, text=self._text(generated), finish_reason=reason,
-                                       stats=stats)
+        self.finish()
 
-    def _prefill(self, cache: TreeCache, gen: torch.Generator | None) -> int:
+    def step(self, cache: TreeCache) -> list[int]:
+        """One propose → verify → commit round on this request's own cache."""
+        tree, draft_s = self.propose()
+        if tree is None:
+            return []
+        t1 = time.perf_counter()
+        verdict, logits = verify(self.decoder.model, cache, tree, self.sampling, self.gen)
+        return self.commit(tree, verdict, logits, draft_s, time.perf_counter() - t1)
+
+    def begin(self, cache: TreeCache) -> list[int]:
+        """Prefill into `cache` (one row) and return the first new token as a block."""
+        dec = self.decoder
+        self._t_start = time.perf_counter()
+        dec.proposer.start(self.prompt_ids, self.sampling)
+        first = self._prefill(cache)
+        self.context, self.generated = self.prompt_ids + [first], [first]
+        _, self.reason = self.checker.cut([], [first])
+        self.stats.prefill_time_s = time.perf_counter() - self._t_start
+        return [first]
+
+    def propose(self) -> tuple[DraftTree | None, float]:
+        """The tree to verify next (root = last committed token) and the time spent making it.
+
+        None when the request has reached the model's context and must stop.
+        """
+        dec = self.decoder
+        if len(self.context) >= dec.max_context:
+            self.reason = "length"
+            return None, 0.0
+        t0 = time.perf_counter()
+        room = dec.max_context - len(self.context) - 1
+        budget = min(dec.sizer.budget(len(self.context)), room)
+        tree = dec.proposer.propose(self.context, budget) if budget > 0 else DraftTree.root_only(self.context[-1])
+        self.stats.pruned_nodes += tree.pruned
+        tree = dec.sizer.cut(tree, len(self.context)).top_nodes(max(budget, 0))
+        return tree, time.perf_counter() - t0
+
+    def commit(self, tree: DraftTree, verdict: Verdict, logits: torch.Tensor, draft_s: float,
+               verify_s: float) -> list[int]:
+        """Apply a verdict: cut at stop conditions, record statistics, let proposer and sizer learn."""
+        dec, stats = self.decoder, self.stats
+        t2 = time.perf_counter()
+        block, self.reason = self.checker.cut(self.generated, verdict.new_tokens(tree))
+        stats.record_step(tree.sources[1:], [tree.sources[i] for i in verdict.accepted], tree.num_draft_tokens)
+        self.context += block
+        self.generated += block
+        dec.proposer.observe(self.context, tree, verdict, logits)
+        overhead = draft_s + (time.perf_counter() - t2)
+        dec.sizer.observe(tree, verdict.accepted, overhead, verify_s=verify_s)
+        stats.draft_time_s += draft_s
+        stats.verify_time_s += verify_s
+        stats.bookkeeping_time_s += time.perf_counter() - t2
+        return block
+
+    def finish(self) -> GenerationOutput:
+        """Close the statistics and build the output (called once the loop ends)."""
+        stats = self.stats
+        stats.new_tokens = len(self.generated)
+        stats.finish_reason = self.reason or "length"
+        stats.total_time_s = time.perf_counter() - self._t_start
+        self.output = GenerationOutput(token_ids=self.generated, text=self._text(self.generated),
+                                       finish_reason=stats.finish_reason, stats=stats)
+        return self.output
+
+    def _prefill(self, cache: TreeCache) -> int:
         """Run the prompt through the target; the last position's logits give the first new token."""
         dec = self.decoder
         ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=dec.device)
         out = dec.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(dec.model, cache))
-        return next_token(out.logits[0, -1].float(), self.sampling, gen)
-
-    def _step(self, cache: TreeCache, context: list[int], generated: list[int], stats: DecodeStats,
-              gen: torch.Generator | None) -> tuple[list[int], str | None]:
-        """One propose → size → verify → commit round; returns the committed block and a finish reason."""
-        dec = self.decoder
-        t0 = time.perf_counter()
-        room = dec.max_context - len(context) - 1
-        budget = min(dec.sizer.budget(len(context)), room)
-        tree = dec.proposer.propose(context, budget) if budget > 0 else DraftTree.root_only(context[-1])
-        stats.pruned_nodes += tree.pruned
-        tree = dec.sizer.cut(tree, len(context)).top_nodes(max(budget, 0))
-        t1 = time.perf_counter()
-        verdict, logits = verify(dec.model, cache, tree, self.sampling, gen)
-        t2 = time.perf_counter()
-        block, reason = self.checker.cut(generated, verdict.new_tokens(tree))
-        stats.record_step(tree.sources[1:], [tree.sources[i] for i in verdict.accepted], tree.num_draft_tokens)
-        dec.proposer.observe(context + block, tree, verdict, logits)
-        t3 = time.perf_counter()
-        dec.sizer.observe(tree, verdict.accepted, (t1 - t0) + (t3 - t2), verify_s=t2 - t1)
-        stats.draft_time_s += t1 - t0
-        stats.verify_time_s += t2 - t1
-        stats.bookkeeping_time_s += time.perf_counter() - t2
-        return block, reason
+        return next_token(out.logits[0, -1].float(), self.sampling, self.gen)
 
     def _text(self, generated: list[int]) -> str | None:
         tok = self.decoder.tokenizer

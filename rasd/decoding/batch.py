@@ -1,0 +1,219 @@
+"""Batched verification: the draft trees of many requests in ONE target forward (continuous batching).
+
+Memory traffic decides a forward's cost on CPU and small GPUs alike: the weights are read once whether the
+forward carries one token or sixty. So several requests decoding at once should share their forwards.
+
+Layout (DESIGN.md, "Distribution"): one right-padded cache [B, kv_heads, capacity, head_dim] with a length
+per row. Every step appends each row's tree at the shared end S = max(row lengths); the 4-D mask lets a
+row's nodes see only that row's own entries [0, len_b) and their tree ancestors, so a row's gap
+[len_b, S) is invisible, and RoPE positions come from `position_ids` (len_b + depth), so a key's slot
+does not matter. After acceptance each row's accepted entries move down to its own length and the shared
+end is cropped to the longest row. Requests join (their prefill runs alone, then the row is copied in)
+and leave between steps; each costs one copy of the batch cache, never a copy per step.
+
+Each request keeps its own `GenerationStream` (proposer, sizer, stop checker, statistics): the batch only
+replaces the one `verify` call of the single-request loop, so both paths run the same per-request code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from rasd.decoding.cache import GrowableLayer, TreeCache
+from rasd.decoding.engine import GenerationStream
+from rasd.decoding.kernels import fast_kernels
+from rasd.decoding.tree import DraftTree
+from rasd.decoding.verify import Verdict, accept_greedy, accept_sampling, cache_kwargs
+
+
+class BatchCache(TreeCache):
+    """A `TreeCache` with B rows of different lengths; rows join, leave and compact independently."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(num_layers)
+        self.row_lengths: list[int] = []
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> BatchCache:
+        config = model.config.get_text_config(decoder=True)
+        return cls(int(config.num_hidden_layers))
+
+    @property
+    def rows(self) -> int:
+        return len(self.row_lengths)
+
+    def add_row(self, single: TreeCache) -> int:
+        """Copy a one-row cache (a finished prefill) in as the last row; returns its row index."""
+        length = single.get_seq_length()
+        for layer, src in zip(self.layers, single.layers, strict=True):
+            _append_row(layer, src, length)
+        self.row_lengths.append(length)
+        self._sync_length()
+        return self.rows - 1
+
+    def remove_rows(self, rows: Sequence[int]) -> None:
+        """Drop the given rows (requests that finished or were cancelled)."""
+        gone = set(rows)
+        keep = [b for b in range(self.rows) if b not in gone]
+        if not keep:
+            for layer in self.layers:
+                layer.is_initialized = False
+            self.row_lengths = []
+            return
+        index = torch.tensor(keep, dtype=torch.long)
+        for layer in self.layers:
+            layer._kbuf = layer._kbuf.index_select(0, index.to(layer._kbuf.device))
+            layer._vbuf = layer._vbuf.index_select(0, index.to(layer._vbuf.device))
+        self.row_lengths = [self.row_lengths[b] for b in keep]
+        self._sync_length()
+
+    def keep_rows(self, start: int, kept: Sequence[Sequence[int]]) -> None:
+        """After a batched tree step appended at `start`, keep row b's tree nodes `kept[b]` at its own length."""
+        for layer in self.layers:
+            for b, nodes in enumerate(kept):
+                src = torch.as_tensor(list(nodes), dtype=torch.long, device=layer._kbuf.device) + start
+                dst = self.row_lengths[b]
+                n = len(nodes)
+                layer._kbuf[b, :, dst: dst + n] = layer._kbuf[b].index_select(-2, src)
+                layer._vbuf[b, :, dst: dst + n] = layer._vbuf[b].index_select(-2, src)
+        self.row_lengths = [length + len(nodes) for length, nodes in zip(self.row_lengths, kept, strict=True)]
+        self._sync_length()
+
+    def _sync_length(self) -> None:
+        """The shared end is the longest row; shorter rows' tails are masked, not copied."""
+        shared = max(self.row_lengths, default=0)
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.length = shared
+                layer._refresh_views()
+
+
+def _append_row(layer: GrowableLayer, src: GrowableLayer, length: int) -> None:
+    """Grow `layer` by one row holding `src`'s first `length` entries (capacity grows to fit both)."""
+    k, v = src._kbuf[..., :length, :], src._vbuf[..., :length, :]     # [1, kv_heads, length, head_dim]
+    if not layer.is_initialized:
+        layer.lazy_initialization(k, v)
+        layer._kbuf, layer._vbuf = k.new_empty((0, *k.shape[1:])), v.new_empty((0, *v.shape[1:]))
+    rows, heads, capacity, dim = layer._kbuf.shape
+    new_cap = max(capacity, length, 256)
+    for name, part in (("_kbuf", k), ("_vbuf", v)):
+        old = getattr(layer, name)
+        new = old.new_zeros((rows + 1, heads, new_cap, dim))
+        new[:rows, :, : layer.length] = old[:, :, : layer.length]
+        new[rows, :, :length] = part[0]
+        setattr(layer, name, new)
+
+
+def batch_inputs(trees: Sequence[DraftTree], row_lengths: Sequence[int], past_len: int, dtype: torch.dtype,
+                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids [B, T], position_ids [B, T] and the additive mask [B, 1, T, past_len + T].
+
+    T is the largest tree. A shorter tree is padded with copies of its root that see the row's context
+    and themselves only (a fully masked query row would give NaNs); their outputs are ignored and their
+    cache entries dropped by `keep_rows`.
+    """
+    batch, width = len(trees), max(len(t) for t in trees)
+    input_ids = torch.zeros(batch, width, dtype=torch.long)
+    position_ids = torch.zeros(batch, width, dtype=torch.long)
+    visible = torch.zeros(batch, width, past_len + width, dtype=torch.bool)
+    for b, (tree, length) in enumerate(zip(trees, row_lengths, strict=True)):
+        n = len(tree)
+        input_ids[b, :n] = torch.tensor(tree.tokens)
+        input_ids[b, n:] = tree.tokens[0]
+        position_ids[b, :n] = torch.tensor(tree.depths()) + length
+        position_ids[b, n:] = length
+        visible[b, :, :length] = True
+        visible[b, :n, past_len: past_len + n] = tree.ancestor_mask()
+        pads = torch.arange(n, width)
+        visible[b, pads, past_len + pads] = True
+    mask = torch.zeros(batch, width, past_len + width, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return input_ids.to(device), position_ids.to(device), mask[:, None].to(device)
+
+
+class BatchDecoder:
+    """Steps many `GenerationStream`s together: per-request proposing and committing, one shared forward."""
+
+    def __init__(self, model: torch.nn.Module, fast: bool = True):
+        self.model = model
+        self.fast = fast
+        self.cache = BatchCache.for_model(model)
+        self.streams: list[GenerationStream] = []
+        self.device = next(model.parameters()).device
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    @torch.inference_mode()
+    def add(self, stream: GenerationStream) -> list[int]:
+        """Prefill a new request on its own, then join it to the batch; returns its first block."""
+        if stream.decoder.model is not self.model:
+            raise ValueError("a batch shares one target model: the stream was built for another")
+        single = TreeCache.for_model(self.model)
+        with fast_kernels(self.fast):
+            first = stream.begin(single)
+        if stream.reason is not None:
+            stream.finish()
+            return first
+        self.cache.add_row(single)
+        self.streams.append(stream)
+        return first
+
+    def remove(self, stream: GenerationStream) -> None:
+        """Drop a request between steps (cancelled by its caller)."""
+        if stream in self.streams:
+            b = self.streams.index(stream)
+            self.cache.remove_rows([b])
+            del self.streams[b]
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[GenerationStream, list[int]]]:
+        """One batched round; returns each stream's committed block. Finished streams leave the batch."""
+        if not self.streams:
+            return []
+        with fast_kernels(self.fast):
+            return self._step()
+
+    def _step(self) -> list[tuple[GenerationStream, list[int]]]:
+        proposals = [stream.propose() for stream in self.streams]
+        stopped = [b for b, (tree, _) in enumerate(proposals) if tree is None]   # reached the model's context
+        results: list[tuple[GenerationStream, list[int]]] = [(self.streams[b], []) for b in stopped]
+        self._drop(stopped)
+        proposals = [p for p in proposals if p[0] is not None]
+        if self.streams:
+            results += self._verify_and_commit([p[0] for p in proposals], [p[1] for p in proposals])
+        self._drop([b for b, stream in enumerate(self.streams) if stream.reason is not None])
+        for stream, _ in results:
+            if stream.reason is not None and stream.output is None:
+                stream.finish()
+        return results
+
+    def _verify_and_commit(self, trees: list[DraftTree], draft_s: list[float]
+                           ) -> list[tuple[GenerationStream, list[int]]]:
+        cache = self.cache
+        past_len = cache.get_seq_length()
+        param = next(self.model.parameters())
+        t0 = time.perf_counter()
+        ids, pos, mask = batch_inputs(trees, cache.row_lengths, past_len, param.dtype, param.device)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         **cache_kwargs(self.model, cache))
+        logits = out.logits.float()   # [B, T, vocab]
+        verdicts: list[Verdict] = []
+        for b, (stream, tree) in enumerate(zip(self.streams, trees, strict=True)):
+            row = logits[b, : len(tree)]
+            if stream.sampling.greedy:
+                verdicts.append(accept_greedy(tree, row))
+            else:
+                verdicts.append(accept_sampling(tree, row, stream.sampling, stream.gen))
+        cache.keep_rows(past_len, [[0, *v.accepted] for v in verdicts])
+        verify_s = (time.perf_counter() - t0) / len(trees)   # each request's share of the shared forward
+        return [(stream, stream.commit(tree, verdict, logits[b, : len(tree)], draft_s[b], verify_s))
+                for b, (stream, tree, verdict) in enumerate(zip(self.streams, trees, verdicts, strict=True))]
+
+    def _drop(self, rows: list[int]) -> None:
+        if rows:
+            self.cache.remove_rows(rows)
+            self.streams = [s for b, s in enumerate(self.streams) if b not in set(rows)]

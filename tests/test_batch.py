@@ -1,0 +1,185 @@
+"""Batched verification: many requests in one forward give each request's own tokens.
+
+Tiny random Llamas; requests with different prompt lengths, methods and max_new_tokens share a batch,
+join late, leave early or are cancelled. Greedy output must equal HF `generate` (a difference only at a
+genuine near-tie), and seeded sampling must give the same tokens as the request decoded alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rasd.decoding.batch import BatchCache, BatchDecoder, batch_inputs
+from rasd.decoding.cache import TreeCache
+from rasd.decoding.control import FixedSizer
+from rasd.decoding.engine import GenerationStream, SpeculativeDecoder
+from rasd.decoding.proposers import make_proposer
+from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.tree import DraftTree
+from tests.conftest import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def decoder(model: torch.nn.Module, method: str) -> SpeculativeDecoder:
+    """A fresh decoder per request: proposer and sizer state belong to one request."""
+    draft = model if method == "draft" else None
+    options = {"top_k": 2, "width": 3, "min_prob": 0.0} if method == "draft" else {}
+    return SpeculativeDecoder(model, make_proposer(method, draft, **options), sizer=FixedSizer(8))
+
+
+def repeating(length: int, seed: int) -> list[int]:
+    """Random tokens whose tail repeats the start, so that prompt lookup finds matches."""
+    if length < 20:
+        return random_prompt(length, seed)
+    head = random_prompt(length - 10, seed)
+    return head + head[:10]
+
+
+def drain(batch: BatchDecoder, blocks: dict[int, list[int]], streams: list[GenerationStream],
+          max_steps: int = 500) -> None:
+    """Step until every request has left the batch, collecting streamed blocks per request."""
+    for _ in range(max_steps):
+        if not len(batch):
+            return
+        for stream, block in batch.step():
+            blocks[id(stream)] += block
+    raise AssertionError("the batch did not finish")
+
+
+def add(batch: BatchDecoder, stream: GenerationStream, blocks: dict[int, list[int]],
+        streams: list[GenerationStream]) -> None:
+    streams.append(stream)
+    blocks[id(stream)] = list(batch.add(stream))
+
+
+REQUESTS = [("pld", 40, 0, 29), ("ar", 7, 1, 13), ("draft", 23, 2, 37), ("pld", 1, 3, 20)]
+
+
+def test_batched_greedy_equals_hf_for_mixed_requests() -> None:
+    model = tiny_llama(0)
+    batch = BatchDecoder(model)
+    blocks: dict[int, list[int]] = {}
+    streams: list[GenerationStream] = []
+    for method, length, seed, max_new in REQUESTS:
+        add(batch, decoder(model, method).stream(repeating(length, seed), max_new), blocks, streams)
+    assert len(batch) == len(REQUESTS)
+    drain(batch, blocks, streams)
+    for stream, (method, length, seed, max_new) in zip(streams, REQUESTS, strict=True):
+        prompt = repeating(length, seed)
+        out = stream.output
+        assert out is not None and out.finish_reason == "length"
+        assert blocks[id(stream)] == out.token_ids, "streamed blocks must add up to the output"
+        assert_greedy_equal(model, prompt, out.token_ids, hf_greedy(model, prompt, max_new), label=method)
+        assert out.stats.steps == len(out.stats.accept_lengths)
+    pld = streams[0].output
+    assert pld is not None and pld.stats.mean_accepted_tokens > 1.0, "speculation must still happen in a batch"
+
+
+def test_requests_join_late_leave_early_and_cancel() -> None:
+    model = tiny_llama(1)
+    batch = BatchDecoder(model)
+    blocks: dict[int, list[int]] = {}
+    streams: list[GenerationStream] = []
+    add(batch, decoder(model, "pld").stream(repeating(40, 5), 40), blocks, streams)
+    add(batch, decoder(model, "ar").stream(repeating(9, 6), 4), blocks, streams)        # leaves early
+    cancelled = decoder(model, "pld").stream(repeating(30, 7), 40)
+    add(batch, cancelled, blocks, streams)
+    for _ in range(5):
+        for stream, block in batch.step():
+            blocks[id(stream)] += block
+    assert len(batch) == 2, "the 4-token request has left the batch"
+    batch.remove(cancelled)
+    add(batch, decoder(model, "draft").stream(repeating(60, 8), 25), blocks, streams)   # joins late, longest
+    add(batch, decoder(model, "pld").stream(repeating(3, 9), 18), blocks, streams)
+    drain(batch, blocks, streams)
+    for stream in streams:
+        if stream is cancelled:
+            continue
+        out = stream.output
+        assert out is not None
+        ref = hf_greedy(model, stream.prompt_ids, stream.checker.max_new)
+        assert_greedy_equal(model, stream.prompt_ids, out.token_ids, ref)
+        assert blocks[id(stream)] == out.token_ids
+
+
+def test_seeded_sampling_in_a_batch_equals_the_request_alone() -> None:
+    model = tiny_llama(0)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s) for s in (1, 2, 3)]
+    prompts = [repeating(40, 11), repeating(12, 12), repeating(25, 13)]
+    alone = [decoder(model, "pld").generate(p, 30, sampling=sp).token_ids
+             for p, sp in zip(prompts, params, strict=True)]
+    batch = BatchDecoder(model)
+    blocks: dict[int, list[int]] = {}
+    streams: list[GenerationStream] = []
+    for p, sp in zip(prompts, params, strict=True):
+        add(batch, decoder(model, "pld").stream(p, 30, sampling=sp), blocks, streams)
+    drain(batch, blocks, streams)
+    assert [s.output.token_ids for s in streams if s.output] == alone
+
+
+def test_eos_inside_a_block_stops_only_that_request() -> None:
+    model = tiny_llama(0)
+    prompt = repeating(40, 0)
+    ref = hf_greedy(model, prompt, 30)
+    eos = ref[17]
+    first = ref.index(eos)
+    batch = BatchDecoder(model)
+    blocks: dict[int, list[int]] = {}
+    streams: list[GenerationStream] = []
+    add(batch, decoder(model, "pld").stream(prompt, 30, eos_token_ids={eos}), blocks, streams)
+    add(batch, decoder(model, "pld").stream(repeating(33, 4), 30), blocks, streams)
+    drain(batch, blocks, streams)
+    out = streams[0].output
+    assert out is not None and out.finish_reason == "eos" and out.token_ids == ref[: first + 1]
+    other = streams[1].output
+    assert other is not None and len(other.token_ids) == 30
+
+
+def test_batch_inputs_mask_rows_see_only_their_own_entries() -> None:
+    chain = DraftTree.chain(5, [6, 7], "x")          # 3 nodes
+    root = DraftTree.root_only(9)                    # 1 node: padded with 2 copies of its root
+    ids, pos, mask = batch_inputs([chain, root], row_lengths=[4, 2], past_len=4, dtype=torch.float32,
+                                  device="cpu")
+    assert ids.tolist() == [[5, 6, 7], [9, 9, 9]]
+    assert pos.tolist() == [[4, 5, 6], [2, 2, 2]]
+    seen = mask[:, 0] == 0                           # [B, T, past + T]
+    assert seen[0, :, :4].all() and seen[0, :, 4:].tolist() == [[True, False, False], [True, True, False],
+                                                                [True, True, True]]
+    assert seen[1, :, :2].all() and not seen[1, :, 2:4].any(), "row 1's gap [2, 4) is hidden"
+    assert seen[1, :, 4:].tolist() == [[True, False, False], [False, True, False], [False, False, True]]
+
+
+def test_batch_cache_rows_join_compact_and_leave() -> None:
+    def one_row(length: int, fill: float) -> TreeCache:
+        cache = TreeCache(num_layers=1)
+        kv = torch.full((1, 2, length, 3), fill)
+        cache.update(kv, kv.clone(), 0)
+        return cache
+
+    cache = BatchCache(num_layers=1)
+    cache.add_row(one_row(5, 1.0))
+    cache.add_row(one_row(3, 2.0))
+    assert cache.row_lengths == [5, 3] and cache.get_seq_length() == 5
+    tree_kv = torch.arange(2 * 2 * 4 * 3, dtype=torch.float32).reshape(2, 2, 4, 3)   # a 4-node step
+    cache.update(tree_kv, tree_kv.clone(), 0)
+    cache.keep_rows(5, [[0, 2], [0, 1, 3]])
+    assert cache.row_lengths == [7, 6] and cache.get_seq_length() == 7
+    keys = cache.layers[0].keys
+    assert torch.equal(keys[0, :, 5:7], tree_kv[0][:, [0, 2]])
+    assert torch.equal(keys[1, :, 3:6], tree_kv[1][:, [0, 1, 3]])
+    assert (keys[1, :, :3] == 2.0).all(), "row 1's own context is untouched"
+    cache.remove_rows([0])
+    assert cache.row_lengths == [6] and cache.get_seq_length() == 6
+    assert torch.equal(cache.layers[0].keys[0, :, 3:6], tree_kv[1][:, [0, 1, 3]])
+    cache.remove_rows([0])
+    assert cache.rows == 0
+    cache.add_row(one_row(2, 3.0))
+    assert cache.row_lengths == [2] and (cache.layers[0].keys == 3.0).all()
+
+
+def test_a_stream_for_another_model_is_refused() -> None:
+    batch = BatchDecoder(tiny_llama(0))
+    with pytest.raises(ValueError, match="another"):
+        batch.add(decoder(tiny_llama(1), "ar").stream([1, 2, 3], 3))
