@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.rasd-installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: run test lint bench setup clean-venv
+.PHONY: run stop test lint bench setup clean-venv
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -21,9 +21,15 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 setup: $(STAMP)
 
+# The main job: the document-QA service (Ray Serve) on the embedded model and the sample corpus, asked one
+# question through the Python client. The service keeps running; `make stop` stops it.
 run: $(STAMP)
-	$(BIN)/rasd ask --index sample --method rasd --max-new-tokens 160 \
-	  "How does the else clause of a for loop work, and when is it skipped?"
+	$(BIN)/rasd serve --index sample --detach
+	$(BIN)/python -m rasd.client ask "How does the else clause of a for loop work, and when is it skipped?"
+	@echo "rasd keeps serving at http://127.0.0.1:8000 (OpenAI API under /v1, API docs at /docs); stop it: make stop"
+
+stop: $(STAMP)
+	$(BIN)/rasd serve --stop
 
 test: $(STAMP)
 	$(BIN)/ruff check rasd tests scripts

@@ -7,6 +7,10 @@ genuine near-tie), and seeded sampling must give the same tokens as the request 
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
 import pytest
 import torch
 
@@ -16,6 +20,7 @@ from rasd.decoding.control import FixedSizer
 from rasd.decoding.engine import GenerationStream, SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.scheduler import Overloaded, Scheduler
 from rasd.decoding.tree import DraftTree
 from tests.conftest import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
@@ -183,3 +188,62 @@ def test_a_stream_for_another_model_is_refused() -> None:
     batch = BatchDecoder(tiny_llama(0))
     with pytest.raises(ValueError, match="another"):
         batch.add(decoder(tiny_llama(1), "ar").stream([1, 2, 3], 3))
+
+
+def collect(scheduler: Scheduler, streams: list[GenerationStream], timeout: float = 120.0) -> list[list[Any]]:
+    """Submit streams, wait (bounded) for each to finish; returns every request's events."""
+    events: list[list[Any]] = [[] for _ in streams]
+    done = threading.Semaphore(0)
+
+    def sink_for(i: int) -> Any:
+        def sink(kind: str, payload: Any) -> None:
+            events[i].append((kind, payload))
+            if kind in ("done", "error"):
+                done.release()
+        return sink
+
+    for i, stream in enumerate(streams):
+        scheduler.submit(stream, sink_for(i))
+    for _ in streams:
+        assert done.acquire(timeout=timeout), "a request did not finish in time"
+    return events
+
+
+def test_scheduler_streams_every_request_to_its_own_sink() -> None:
+    model = tiny_llama(0)
+    scheduler = Scheduler(model, max_batch=3, max_waiting=8)
+    try:
+        specs = [("pld", 40, 0, 21), ("ar", 7, 1, 9), ("draft", 23, 2, 17), ("pld", 33, 3, 25), ("ar", 2, 4, 5)]
+        streams = [decoder(model, m).stream(repeating(n, s), k) for m, n, s, k in specs]
+        events = collect(scheduler, streams)
+    finally:
+        scheduler.close()
+    for (method, length, seed, max_new), evs in zip(specs, events, strict=True):
+        kinds = [k for k, _ in evs]
+        assert kinds[-1] == "done" and set(kinds[:-1]) == {"tokens"}
+        tokens = [t for k, block in evs if k == "tokens" for t in block]
+        out = evs[-1][1]
+        assert tokens == out.token_ids
+        prompt = repeating(length, seed)
+        assert_greedy_equal(model, prompt, tokens, hf_greedy(model, prompt, max_new), label=method)
+
+
+def test_scheduler_refuses_beyond_its_queue_and_drops_cancelled_requests() -> None:
+    model = tiny_llama(1)
+    scheduler = Scheduler(model, max_batch=1, max_waiting=1)
+    try:
+        tickets, refused = [], 0
+        for i in range(4):
+            try:
+                tickets.append(scheduler.submit(decoder(model, "ar").stream(repeating(9, i), 400), lambda k, p: None))
+            except Overloaded:
+                refused += 1
+        assert refused >= 2, "one running + one waiting: the rest must be refused at once"
+        for ticket in tickets:
+            scheduler.cancel(ticket)
+        deadline = time.monotonic() + 60
+        while scheduler.load() != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert scheduler.load() == (0, 0), "cancelled requests must leave the batch"
+    finally:
+        scheduler.close()

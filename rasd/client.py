@@ -1,0 +1,266 @@
+"""Python client for the rasd HTTP service: completions, chat, document QA, ingest; sync and async.
+
+    from rasd.client import Client
+    c = Client("http://127.0.0.1:8000")
+    answer = c.ask("How does the else clause of a for loop work?")
+    print(answer.answer, answer.sources, answer.stats["mean_accepted_tokens"])
+    for text in c.complete_stream("def fib(n):", max_tokens=64):
+        print(text, end="")
+
+Retries: 503 (and connection errors) are retried with exponential backoff; 429 too when `retry_busy` is on.
+Any other error raises `ApiError` with the service's message.
+`python -m rasd.client ask "question"` asks from the command line (used by `make run`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+RETRY_STATUSES = {503}
+
+
+class ApiError(RuntimeError):
+    """An error response from the service (status + OpenAI-style message)."""
+
+    def __init__(self, status: int, message: str, type_: str = ""):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status, self.message, self.type = status, message, type_
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str
+    usage: dict[str, int]
+    stats: dict[str, Any]
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+@dataclass
+class DocAnswer:
+    answer: str
+    sources: list[dict[str, Any]]
+    finish_reason: str
+    usage: dict[str, int]
+    stats: dict[str, Any]
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        err = response.json().get("error", {})
+        message, type_ = err.get("message", response.text), err.get("type", "")
+    except (ValueError, AttributeError):
+        message, type_ = response.text, ""
+    raise ApiError(response.status_code, message, type_)
+
+
+def _completion(body: dict[str, Any]) -> Completion:
+    choice = body["choices"][0]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return Completion(text=text, finish_reason=choice["finish_reason"], usage=body.get("usage", {}),
+                      stats=body.get("rasd", {}), raw=body)
+
+
+def _answer(body: dict[str, Any]) -> DocAnswer:
+    return DocAnswer(answer=body["answer"], sources=body.get("sources", []), finish_reason=body["finish_reason"],
+                     usage=body.get("usage", {}), stats=body.get("rasd", {}))
+
+
+def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            err = event["error"]
+            raise ApiError(int(err.get("code") or 500), err.get("message", ""), err.get("type", ""))
+        yield event
+
+
+def _delta(event: dict[str, Any]) -> str:
+    choice = event["choices"][0]
+    return choice.get("delta", {}).get("content", "") if "delta" in choice else choice.get("text", "")
+
+
+class Client:
+    """Synchronous client. Timeouts in seconds; `retries` attempts on 503 / connection errors."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", api_key: str | None = None, timeout: float = 300.0,
+                 retries: int = 3, backoff_s: float = 0.5, retry_busy: bool = False):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        self.retries, self.backoff_s = retries, backoff_s
+        self.retry_statuses = RETRY_STATUSES | ({429} if retry_busy else set())
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.http.post(path, json=payload)
+            except httpx.TransportError:
+                if attempt == self.retries:
+                    raise
+            else:
+                if response.status_code not in self.retry_statuses or attempt == self.retries:
+                    _raise_for(response)
+                    return response.json()
+            time.sleep(self.backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def _stream(self, path: str, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        with self.http.stream("POST", path, json={**payload, "stream": True}) as response:
+            if response.status_code >= 400:
+                response.read()
+                _raise_for(response)
+            yield from _events(response.iter_lines())
+
+    # ------------------------------------------------------------------ API
+    def health(self) -> dict[str, Any]:
+        response = self.http.get("/healthz")
+        _raise_for(response)
+        return response.json()
+
+    def models(self) -> list[str]:
+        response = self.http.get("/v1/models")
+        _raise_for(response)
+        return [m["id"] for m in response.json()["data"]]
+
+    def complete(self, prompt: str, **params: Any) -> Completion:
+        return _completion(self._post("/v1/completions", {"prompt": prompt, **params}))
+
+    def complete_stream(self, prompt: str, **params: Any) -> Iterator[str]:
+        for event in self._stream("/v1/completions", {"prompt": prompt, **params}):
+            yield _delta(event)
+
+    def chat(self, messages: list[dict[str, str]], **params: Any) -> Completion:
+        return _completion(self._post("/v1/chat/completions", {"messages": messages, **params}))
+
+    def chat_stream(self, messages: list[dict[str, str]], **params: Any) -> Iterator[str]:
+        for event in self._stream("/v1/chat/completions", {"messages": messages, **params}):
+            yield _delta(event)
+
+    def ask(self, question: str, **params: Any) -> DocAnswer:
+        return _answer(self._post("/v1/docqa", {"question": question, **params}))
+
+    def ask_stream(self, question: str, **params: Any) -> Iterator[dict[str, Any]]:
+        """Events: {"sources": [...]}, then {"delta": text}..., then the final answer object."""
+        yield from self._stream("/v1/docqa", {"question": question, **params})
+
+    def add_documents(self, documents: list[dict[str, Any]]) -> dict[str, Any]:
+        return self._post("/v1/documents", {"documents": documents})
+
+
+class AsyncClient:
+    """The same API for asyncio code."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", api_key: str | None = None, timeout: float = 300.0,
+                 retries: int = 3, backoff_s: float = 0.5, retry_busy: bool = False):
+        import asyncio
+
+        self._sleep = asyncio.sleep
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        self.retries, self.backoff_s = retries, backoff_s
+        self.retry_statuses = RETRY_STATUSES | ({429} if retry_busy else set())
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        for attempt in range(self.retries + 1):
+            try:
+                response = await self.http.post(path, json=payload)
+            except httpx.TransportError:
+                if attempt == self.retries:
+                    raise
+            else:
+                if response.status_code not in self.retry_statuses or attempt == self.retries:
+                    _raise_for(response)
+                    return response.json()
+            await self._sleep(self.backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    async def _stream(self, path: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        async with self.http.stream("POST", path, json={**payload, "stream": True}) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                _raise_for(response)
+            lines = [line async for line in response.aiter_lines()]
+        for event in _events(iter(lines)):
+            yield event
+
+    async def complete(self, prompt: str, **params: Any) -> Completion:
+        return _completion(await self._post("/v1/completions", {"prompt": prompt, **params}))
+
+    async def chat(self, messages: list[dict[str, str]], **params: Any) -> Completion:
+        return _completion(await self._post("/v1/chat/completions", {"messages": messages, **params}))
+
+    async def ask(self, question: str, **params: Any) -> DocAnswer:
+        return _answer(await self._post("/v1/docqa", {"question": question, **params}))
+
+    async def complete_stream(self, prompt: str, **params: Any) -> AsyncIterator[str]:
+        async for event in self._stream("/v1/completions", {"prompt": prompt, **params}):
+            yield _delta(event)
+
+    async def add_documents(self, documents: list[dict[str, Any]]) -> dict[str, Any]:
+        return await self._post("/v1/documents", {"documents": documents})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m rasd.client ask QUESTION [--url URL]`: print the answer, its sources and statistics."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m rasd.client")
+    p.add_argument("command", choices=["ask"])
+    p.add_argument("question")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--max-tokens", type=int, default=160)
+    args = p.parse_args(argv)
+    with Client(args.url, api_key=args.api_key, retries=5) as client:
+        try:
+            print("Answer: ", end="", flush=True)
+            final: dict[str, Any] = {}
+            sources: list[dict[str, Any]] = []
+            for event in client.ask_stream(args.question, max_tokens=args.max_tokens):
+                if "sources" in event:
+                    sources = event["sources"]
+                elif "delta" in event:
+                    print(event["delta"], end="", flush=True)
+                else:
+                    final = event
+        except (ApiError, httpx.HTTPError) as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            return 1
+    print("\n\nSources:")
+    for i, s in enumerate(sources, 1):
+        print(f"  [{i}] {s.get('title') or s.get('source') or 'doc ' + str(s['doc_id'])} (chunk {s['chunk_id']}, "
+              f"score {s['score']:.3f})")
+    stats = final.get("rasd", {})
+    print(f"\n{stats.get('new_tokens')} tokens, {stats.get('tokens_per_s')} tok/s decode, mean accepted "
+          f"{stats.get('mean_accepted_tokens')}, accepted by source {stats.get('accepted_by_source')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""`rasd load`: drive a running service with concurrent document-QA requests; throughput and latency.
+
+For each concurrency level the same questions are sent by that many client threads at once; aggregate
+tokens/s is all completion tokens over the wall time of the level (prefill included). The baseline is HF
+`generate` greedy on one request at a time, in this process, on the same prompts (the service must be
+idle then, so it runs after the load levels), and every service answer is checked against the in-process
+engine (`DocQA.ask`, same method) token for token through the text.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+SAMPLE_QUESTIONS = [
+    "How does the else clause of a for loop work, and when is it skipped?",
+    "What does the with statement do with the context manager's __enter__ and __exit__ methods?",
+    "How are default parameter values evaluated in a function definition?",
+    "What happens when a return statement is executed inside a try block with a finally clause?",
+    "How does the global statement change the scope of a name?",
+    "What does the nonlocal statement do?",
+    "How are chained comparisons like a < b < c evaluated?",
+    "What does the assert statement do when optimization is requested?",
+    "How does the del statement work on names and on subscriptions?",
+    "What is the difference between the is operator and the == operator?",
+    "How does a while loop's else clause behave when the loop ends with break?",
+    "What does the yield expression do inside a function?",
+    "How are keyword-only parameters declared in a function definition?",
+    "What does the raise statement do with the from clause?",
+    "How does augmented assignment like x += 1 work?",
+    "What does the pass statement do?",
+]
+
+
+def register(subparsers: Any) -> Any:
+    p = subparsers.add_parser("load", help="load-test a running service with concurrent document-QA requests")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--index", default="sample", help="the service's index (to rebuild prompts for the baseline)")
+    p.add_argument("--questions", default=None, help="jsonl with a `question` per line (default: 16 built in)")
+    p.add_argument("--concurrency", default="1,4,8", help="comma-separated concurrency levels")
+    p.add_argument("--limit", type=int, default=None, help="use the first N questions")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--method", default="rasd")
+    p.add_argument("--top-k-sources", type=int, default=4)
+    p.add_argument("--model", default="default", help="the service's model (for the in-process reference)")
+    p.add_argument("--out", default=None, help="results JSON")
+    p.add_argument("--plot", default=None, help="throughput/latency PNG")
+    p.set_defaults(func=run_load)
+    return p
+
+
+def load_questions(path: str | None, limit: int | None) -> list[str]:
+    if path is None:
+        questions = list(SAMPLE_QUESTIONS)
+    else:
+        lines = Path(path).read_text().splitlines()
+        questions = [json.loads(line)["question"] for line in lines if line.strip()]
+    return questions[:limit] if limit else questions
+
+
+def run_level(url: str, api_key: str | None, questions: list[str], concurrency: int, params: dict[str, Any]
+              ) -> dict[str, Any]:
+    """All questions through `concurrency` client threads; per-request latency and the level's throughput."""
+    from rasd.client import Client
+
+    def one(question: str) -> dict[str, Any]:
+        with Client(url, api_key=api_key, retries=5, retry_busy=True) as client:
+            start = time.perf_counter()
+            answer = client.ask(question, **params)
+            return {"question": question, "answer": answer.answer, "latency_s": time.perf_counter() - start,
+                    "completion_tokens": answer.usage.get("completion_tokens", 0),
+                    "mean_accepted_tokens": answer.stats.get("mean_accepted_tokens")}
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        rows = list(pool.map(one, questions))
+    wall = time.perf_counter() - start
+    latencies = sorted(r["latency_s"] for r in rows)
+    tokens = sum(r["completion_tokens"] for r in rows)
+    return {"concurrency": concurrency, "requests": len(rows), "wall_s": wall, "completion_tokens": tokens,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0, "latency_p50_s": statistics.median(latencies),
+            "latency_p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
+            "mean_accepted_tokens": statistics.mean(r["mean_accepted_tokens"] or 1.0 for r in rows), "rows": rows}
+
+
+def reference(index_spec: str, model: str, questions: list[str], method: str, top_k: int, max_tokens: int
+              ) -> dict[str, Any]:
+    """In-process answers (identity check) and HF greedy single-request speed on the same prompts."""
+    from tqdm import tqdm
+
+    from rasd.decoding.models import load_model
+    from rasd.pipelines.bench import HFRunner, SamplingConfig
+    from rasd.pipelines.docqa import DocQA, open_index
+
+    index, target = open_index(index_spec, model), load_model(model)
+    qa = DocQA(index, target, method=method, top_k=top_k, max_new_tokens=max_tokens)
+    hf = HFRunner("hf", target, SamplingConfig())
+    answers, decode, e2e = {}, [], []
+    for question in tqdm(questions, desc="in-process reference + hf", file=sys.stderr):
+        answers[question] = qa.ask(question).answer
+        ids, _ = qa.prepare(question)
+        record = hf.run(ids, max_tokens, None)
+        if record.tokens_per_s:
+            decode.append(record.tokens_per_s)
+        e2e.append(record.new_tokens / record.total_time_s)
+    return {"answers": answers, "hf_tokens_per_s": statistics.median(decode),
+            "hf_e2e_tokens_per_s": statistics.median(e2e)}
+
+
+def run_load(args: Any) -> int:
+    from rasd.cli import CliError
+    from rasd.client import Client
+
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not levels or min(levels) < 1:
+        raise CliError("--concurrency needs positive integers, e.g. 1,4,8")
+    questions = load_questions(args.questions, args.limit)
+    try:
+        Client(args.url, api_key=args.api_key, retries=0).health()
+    except Exception as exc:
+        raise CliError(f"no service at {args.url} ({exc}); start one with `rasd serve --index ...`") from exc
+    params = {"max_tokens": args.max_tokens, "method": args.method, "top_k_sources": args.top_k_sources,
+              "temperature": 0}
+    results = []
+    for level in levels:
+        print(f"concurrency {level}: {len(questions)} questions ...", file=sys.stderr, flush=True)
+        results.append(run_level(args.url, args.api_key, questions, level, params))
+    ref = reference(args.index, args.model, questions, args.method, args.top_k_sources, args.max_tokens)
+    for level in results:
+        same = [row["answer"] == ref["answers"][row["question"]] for row in level["rows"]]
+        level["identical_to_in_process"] = sum(same) / len(same)
+        level["vs_hf"] = level["tokens_per_s"] / ref["hf_tokens_per_s"]
+        level["vs_hf_e2e"] = level["tokens_per_s"] / ref["hf_e2e_tokens_per_s"]
+    summary = {"url": args.url, "method": args.method, "max_tokens": args.max_tokens, "questions": len(questions),
+               "hf_tokens_per_s": ref["hf_tokens_per_s"], "hf_e2e_tokens_per_s": ref["hf_e2e_tokens_per_s"],
+               "levels": results}
+    print(format_load_table(summary))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    if args.plot:
+        plot_load(summary, args.plot)
+    return 0
+
+
+def format_load_table(summary: dict[str, Any]) -> str:
+    lines = [f"hf greedy, one request at a time: {summary['hf_tokens_per_s']:.2f} tok/s decode, "
+             f"{summary['hf_e2e_tokens_per_s']:.2f} tok/s with prefill",
+             f"{'conc':>4} {'reqs':>4} {'wall s':>7} {'agg tok/s':>9} {'vs hf':>6} {'vs hf e2e':>9} "
+             f"{'p50 s':>6} {'p95 s':>6} {'acc':>5} {'same':>5}"]
+    for lv in summary["levels"]:
+        lines.append(f"{lv['concurrency']:>4} {lv['requests']:>4} {lv['wall_s']:>7.1f} {lv['tokens_per_s']:>9.2f} "
+                     f"{lv['vs_hf']:>5.2f}x {lv['vs_hf_e2e']:>8.2f}x {lv['latency_p50_s']:>6.1f} "
+                     f"{lv['latency_p95_s']:>6.1f} {lv['mean_accepted_tokens']:>5.2f} "
+                     f"{lv['identical_to_in_process']:>5.2f}")
+    return "\n".join(lines)
+
+
+def plot_load(summary: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = summary["levels"]
+    conc = [lv["concurrency"] for lv in levels]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(conc, [lv["tokens_per_s"] for lv in levels], "o-", label="rasd service (aggregate)")
+    ax1.axhline(summary["hf_tokens_per_s"], color="gray", ls="--", label="hf greedy, one request")
+    ax1.set_xlabel("concurrent requests")
+    ax1.set_ylabel("tokens/s")
+    ax1.legend()
+    ax2.plot(conc, [lv["latency_p50_s"] for lv in levels], "o-", label="p50")
+    ax2.plot(conc, [lv["latency_p95_s"] for lv in levels], "s--", label="p95")
+    ax2.set_xlabel("concurrent requests")
+    ax2.set_ylabel("request latency (s)")
+    ax2.legend()
+    fig.suptitle(f"document QA load ({summary['method']}, max_tokens {summary['max_tokens']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

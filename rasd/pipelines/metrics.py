@@ -1,0 +1,64 @@
+"""Prometheus metrics of the service, exported from `DecodeStats` (the stats stay a plain dataclass).
+
+Names follow vLLM's speculative-decoding metrics (`spec_decode_num_drafts`, `..._num_draft_tokens`,
+`..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`) under a `rasd:` prefix, plus accepted tokens
+per draft source, request latency and the scheduler's running/waiting counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from rasd.decoding.stats import DecodeStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServiceMetrics:
+    """One registry per replica, so several services in one process never collide."""
+
+    def __init__(self, load: Callable[[], tuple[int, int]]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.num_drafts = Counter("rasd:spec_decode_num_drafts", "Verification steps that carried a draft", registry=r)
+        self.num_draft_tokens = Counter("rasd:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.num_accepted = Counter("rasd:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.per_pos = Counter("rasd:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by depth",
+                               ["position"], registry=r)
+        self.by_source = Counter("rasd:spec_decode_num_accepted_tokens_by_source",
+                                 "Accepted tokens by draft source (bonus = the target's own token)", ["source"],
+                                 registry=r)
+        self.steps = Counter("rasd:decode_steps", "Verification forwards per request, summed", registry=r)
+        self.generation_tokens = Counter("rasd:generation_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("rasd:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.requests = Counter("rasd:requests", "Finished requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.latency = Histogram("rasd:request_latency_seconds", "End-to-end request latency", ["endpoint"],
+                                 buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160), registry=r)
+        running = Gauge("rasd:num_requests_running", "Requests in the decoding batch", registry=r)
+        waiting = Gauge("rasd:num_requests_waiting", "Requests queued for the batch", registry=r)
+        running.set_function(lambda: load()[0])
+        waiting.set_function(lambda: load()[1])
+
+    def record(self, endpoint: str, stats: DecodeStats, latency_s: float) -> None:
+        """Account one finished request."""
+        self.num_drafts.inc(sum(1 for n in stats.tree_sizes if n > 0))
+        self.num_draft_tokens.inc(stats.num_draft_tokens)
+        self.num_accepted.inc(stats.num_accepted_tokens)
+        for depth, count in enumerate(stats.accepted_per_position):
+            self.per_pos.labels(position=str(depth)).inc(count)
+        for source, count in stats.accepted_by_source.items():
+            self.by_source.labels(source=source).inc(count)
+        self.steps.inc(stats.steps)
+        self.generation_tokens.inc(stats.new_tokens)
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.requests.labels(endpoint=endpoint, outcome="ok").inc()
+        self.latency.labels(endpoint=endpoint).observe(latency_s)
+
+    def failed(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,167 @@
+"""OpenAI-compatible request/response shapes for the service, kept apart from the deployment.
+
+Users bring clients written for OpenAI, vLLM or SGLang: field names, defaults (temperature 1.0, max_tokens
+16 for completions), `usage`, `finish_reason` values, server-sent events ending in `data: [DONE]` and the
+`{"error": {...}}` body all follow the OpenAI API. rasd's own additions are optional fields (`method`,
+`top_k`) and a `rasd` object in responses with the speculative-decoding statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class ApiError(Exception):
+    """An error with an HTTP status and an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.status)
+
+
+def error_body(message: str, type_: str, param: str | None, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="rasd/vLLM extension: 0 = off")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = Field(default=1, ge=1)
+    method: str | None = Field(default=None, description="rasd extension: ar, pld, draft, retrieval, rasd")
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str]
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise ApiError(400, "only one prompt per request is supported", param="prompt")
+            return self.prompt[0]
+        return self.prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class DocQARequest(_Request):
+    question: str
+    top_k_sources: int = Field(default=4, ge=1, le=32, description="retrieved chunks cited in the prompt")
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)   # answers from documents: greedy by default
+
+
+class DocumentIn(BaseModel):
+    text: str = Field(min_length=1)
+    title: str = ""
+    source: str = ""
+    id: str | None = None
+
+
+class DocumentsRequest(BaseModel):
+    documents: list[DocumentIn] = Field(min_length=1)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, model: str, text: str, finish: str | None, chat: bool, **extra: Any) -> dict[str, Any]:
+    """A whole (non-streamed) response."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], **extra}
+
+
+def chunk_body(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
+               **extra: Any) -> dict[str, Any]:
+    """One streamed chunk; a chat stream's first chunk carries the role."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], **extra}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class Detokenizer:
+    """Incremental text from token blocks, as a stream should show it.
+
+    A multi-byte character split across tokens is held back until complete. With stop strings, text that
+    could be the start of one is held back too, and nothing from a stop string on is ever sent (OpenAI
+    leaves the stop string out of the output).
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def push(self, block: list[int]) -> str:
+        self.tokens += block
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        hits = [text.find(s) for s in self.stop if s in text]
+        safe = min(hits) if hits else len(text) - self.hold
+        return self._emit(text, safe)
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the final text (the engine cuts it at a stop string)."""
+        return self._emit(final_text, len(final_text))
+
+    def _emit(self, text: str, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        new, self.sent = text[self.sent: upto], upto
+        return new

@@ -1,0 +1,309 @@
+"""The Ray Serve app: OpenAI-compatible completions, document QA, ingest, health and metrics over HTTP.
+
+Config (`ServeConfig`), builder (`build_app`, also the `serve run serve_config.yaml` entry point) and the
+deployment are kept apart, like `ray.serve.llm`. The deployment is a thin HTTP layer over `Service`.
+
+`rasd serve` starts (or joins, with `--address`) Ray, deploys the app, prints the URL and stays in the
+foreground until interrupted; `--detach` leaves it running on a local Ray cluster and returns (`rasd serve
+--stop` shuts it down), which is what `make run` / `make stop` use.
+"""
+
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from rasd.pipelines.metrics import CONTENT_TYPE
+from rasd.pipelines.openai_api import (
+    FINISH_REASONS,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Detokenizer,
+    DocQARequest,
+    DocumentsRequest,
+    chunk_body,
+    completion_body,
+    error_body,
+    new_id,
+    sse,
+    usage,
+)
+from rasd.pipelines.serve_cli import API_KEY_ENV
+from rasd.pipelines.service import Prepared, ServeConfig, Service, default_threads
+
+APP_NAME = "rasd"
+OPEN_PATHS = ("/healthz",)
+
+api = FastAPI(title="rasd", description="Retrieval-augmented speculative decoding: lossless, faster answers")
+
+
+@api.exception_handler(ApiError)
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg", exc))
+    return JSONResponse(error_body(message, "invalid_request_error", param, 400), status_code=400)
+
+
+def _stats_view(output: Any) -> dict[str, Any]:
+    """The speculative statistics a response carries (the per-step lists are left out)."""
+    stats = output.stats.to_dict()
+    for name in ("accept_lengths", "tree_sizes"):
+        stats.pop(name, None)
+    return stats
+
+
+@serve.deployment(name="RasdServer", max_ongoing_requests=256, health_check_period_s=10)
+@serve.ingress(api)
+class RasdServer:
+    """One replica: the target model, the index and the continuous-batching scheduler (see `Service`)."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = ServeConfig(**config)
+        self.service = Service(self.config)
+        self.api_key = self.config.api_key or os.environ.get(API_KEY_ENV) or None
+
+    def check_health(self) -> None:
+        """Serve restarts the replica when the scheduler thread has died."""
+        if not self.service.scheduler._thread.is_alive():
+            raise RuntimeError("the scheduler thread is not running")
+
+    def _auth(self, request: Request) -> None:
+        if not self.api_key or request.url.path in OPEN_PATHS:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {self.api_key}":
+            raise ApiError(401, "missing or wrong API key (send `Authorization: Bearer <key>`)",
+                           "authentication_error")
+
+    # ------------------------------------------------------------------ small endpoints
+    @api.get("/healthz")
+    async def healthz(self) -> dict[str, Any]:
+        running, waiting = self.service.scheduler.load()
+        return {"status": "ok", "model": self.config.model_name, "running": running, "waiting": waiting,
+                "index": None if self.service.index is None else str(self.service.index.root)}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._auth(request)
+        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
+                                            "created": int(self.service.started), "owned_by": "rasd"}]}
+
+    @api.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        self._auth(request)
+        return Response(self.service.metrics.render(), media_type=CONTENT_TYPE)
+
+    # ------------------------------------------------------------------ generation
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        self._auth(request)
+        self.service.check_model(body.model)
+        prepared = self.service.prepare(body, self.service.encode_text(body.prompt_text()), self.config.method, 16)
+        return await self._generate("completions", body, prepared, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, body: ChatRequest, request: Request) -> Any:
+        self._auth(request)
+        self.service.check_model(body.model)
+        ids = self.service.encode_chat([m.model_dump() for m in body.messages])
+        prepared = self.service.prepare(body, ids, self.config.method, None)
+        return await self._generate("chat", body, prepared, chat=True)
+
+    @api.post("/v1/docqa")
+    async def docqa(self, body: DocQARequest, request: Request) -> Any:
+        self._auth(request)
+        ids, sources = await asyncio.to_thread(self.service.docqa_prompt, body.question, body.top_k_sources,
+                                               body.max_tokens)
+        prepared = self.service.prepare(body, ids, self.config.docqa_method, 256, sources)
+        if body.stream:
+            return StreamingResponse(self._docqa_stream(prepared), media_type="text/event-stream")
+        start = time.perf_counter()
+        output = await self.service.run(prepared)
+        self.service.metrics.record("docqa", output.stats, time.perf_counter() - start)
+        return {"id": new_id("docqa"), "object": "docqa.answer", "model": self.config.model_name,
+                "answer": (output.text or "").strip(), "finish_reason": FINISH_REASONS[output.finish_reason],
+                "sources": [asdict(s) for s in sources], "usage": usage(len(ids), len(output.token_ids)),
+                "rasd": _stats_view(output)}
+
+    @api.post("/v1/documents")
+    async def documents(self, body: DocumentsRequest, request: Request) -> dict[str, Any]:
+        self._auth(request)
+        try:
+            return await asyncio.to_thread(self.service.add_documents, [d.model_dump() for d in body.documents])
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="documents") from exc
+
+    # ------------------------------------------------------------------ helpers
+    async def _generate(self, endpoint: str, body: Any, prepared: Prepared, chat: bool) -> Any:
+        if body.stream:
+            return StreamingResponse(self._sse(endpoint, prepared, chat), media_type="text/event-stream")
+        start = time.perf_counter()
+        output = await self.service.run(prepared)
+        self.service.metrics.record(endpoint, output.stats, time.perf_counter() - start)
+        return completion_body(new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, output.text or "",
+                               FINISH_REASONS[output.finish_reason], chat,
+                               usage=usage(len(prepared.prompt_ids), len(output.token_ids)),
+                               rasd=_stats_view(output))
+
+    async def _sse(self, endpoint: str, prepared: Prepared, chat: bool) -> AsyncIterator[str]:
+        rid, model = new_id("chatcmpl" if chat else "cmpl"), self.config.model_name
+        text = Detokenizer(self.service.target.tokenizer, prepared.stop)
+        start, first = time.perf_counter(), True
+        try:
+            async for kind, payload in self.service.events(prepared):
+                if kind == "tokens":
+                    delta = text.push(payload)
+                    if delta or first:
+                        yield sse(chunk_body(rid, model, delta, None, chat, first=first))
+                        first = False
+                    continue
+                rest = text.finish(payload.text or "")
+                yield sse(chunk_body(rid, model, rest, FINISH_REASONS[payload.finish_reason], chat,
+                                     usage=usage(len(prepared.prompt_ids), len(payload.token_ids)),
+                                     rasd=_stats_view(payload)))
+                self.service.metrics.record(endpoint, payload.stats, time.perf_counter() - start)
+        except ApiError as exc:
+            self.service.metrics.failed(endpoint, str(exc.status))
+            yield sse(exc.body())
+        yield sse("[DONE]")
+
+    async def _docqa_stream(self, prepared: Prepared) -> AsyncIterator[str]:
+        """Events: {"sources": [...]} first, then {"delta": text}..., then the final answer object."""
+        yield sse({"sources": [asdict(s) for s in prepared.sources]})
+        text = Detokenizer(self.service.target.tokenizer, prepared.stop)
+        start = time.perf_counter()
+        try:
+            async for kind, payload in self.service.events(prepared):
+                if kind == "tokens":
+                    delta = text.push(payload)
+                    if delta:
+                        yield sse({"delta": delta})
+                    continue
+                rest = text.finish(payload.text or "")
+                if rest:
+                    yield sse({"delta": rest})
+                self.service.metrics.record("docqa", payload.stats, time.perf_counter() - start)
+                yield sse({"answer": (payload.text or "").strip(),
+                           "finish_reason": FINISH_REASONS[payload.finish_reason],
+                           "usage": usage(len(prepared.prompt_ids), len(payload.token_ids)),
+                           "rasd": _stats_view(payload)})
+        except ApiError as exc:
+            yield sse(exc.body())
+        yield sse("[DONE]")
+
+
+# ---------------------------------------------------------------------------------------------- builder
+
+
+def build_app(args: dict[str, Any] | None = None) -> Any:
+    """The Serve application for a config dict (`serve run serve_config.yaml` calls this with its `args`)."""
+    known = {f.name for f in fields(ServeConfig)}
+    args = dict(args or {})
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"unknown serve config keys: {', '.join(unknown)}")
+    args.setdefault("threads", default_threads())
+    threads = int(args["threads"])
+    # the replica gets as many CPUs as it runs threads: Ray would otherwise pin it to one (OMP_NUM_THREADS=1)
+    return RasdServer.options(ray_actor_options={"num_cpus": threads}).bind(args)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def config_from_args(args: Any) -> dict[str, Any]:
+    index = args.index
+    if index == "sample":
+        from rasd.pipelines.sample import ensure_sample_index
+
+        index = str(ensure_sample_index(args.model))   # built here, once, not inside the replica
+    return {"model": args.model, "index": index, "draft_model": args.draft_model, "device": args.device,
+            "dtype": args.dtype, "method": args.method, "docqa_method": args.docqa_method,
+            "max_batch": args.max_batch, "max_waiting": args.max_waiting, "max_tokens_limit": args.max_tokens_limit,
+            "api_key": args.api_key, "threads": args.threads or default_threads()}
+
+
+def run_serve(args: Any) -> int:
+    import ray
+
+    from rasd.cli import CliError
+
+    if args.stop:
+        return stop_detached()
+    if args.index and args.index != "sample" and not os.path.isdir(args.index):
+        raise CliError(f"index folder not found: {args.index}")
+    config = config_from_args(args)
+    if args.detach and not args.address:
+        ensure_local_cluster()
+        address: str | None = "auto"
+    else:
+        address = args.address
+    ray.init(address=address, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    url = f"http://{args.host}:{args.port}"
+    print(f"rasd is serving {config['model']} at {url}  (OpenAI API under {url}/v1, docs at {url}/docs)", flush=True)
+    if args.detach:
+        print("detached: stop it with `rasd serve --stop` (or `make stop`)", flush=True)
+        return 0
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nshutting down", file=sys.stderr)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _ray_cli() -> str:
+    """The `ray` command of this environment (the venv may not be on PATH)."""
+    local = Path(sys.executable).parent / "ray"
+    return str(local) if local.exists() else "ray"
+
+
+def ensure_local_cluster() -> None:
+    """Start a local head node that outlives this process (a detached service needs one)."""
+    probe = subprocess.run([_ray_cli(), "status"], capture_output=True, text=True)
+    if probe.returncode == 0:
+        return
+    started = subprocess.run([_ray_cli(), "start", "--head", "--include-dashboard=false", "--disable-usage-stats"],
+                             capture_output=True, text=True)
+    if started.returncode != 0:
+        from rasd.cli import CliError
+
+        raise CliError(f"could not start a local Ray cluster: {started.stderr.strip().splitlines()[-1:]}")
+
+
+def stop_detached() -> int:
+    import ray
+
+    try:
+        ray.init(address="auto", log_to_driver=False)
+        serve.shutdown()
+        ray.shutdown()
+    except (ConnectionError, RuntimeError) as exc:
+        print(f"no running service found ({exc})", file=sys.stderr)
+    subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True)
+    print("stopped")
+    return 0

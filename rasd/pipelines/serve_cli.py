@@ -1,0 +1,38 @@
+"""`rasd serve` arguments, kept apart from `serve.py` so that other commands start without importing Ray."""
+
+from __future__ import annotations
+
+from typing import Any
+
+API_KEY_ENV = "RASD_API_KEY"
+
+
+def register(subparsers: Any) -> Any:
+    p = subparsers.add_parser("serve", help="serve the model (OpenAI-compatible API + document QA) with Ray Serve")
+    p.add_argument("--index", default=None, help="index folder, or `sample` for the bundled Python reference")
+    p.add_argument("--model", default="default")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--method", default="pld", help="default method of /v1/completions and chat")
+    p.add_argument("--docqa-method", default="rasd", help="default method of /v1/docqa")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` (or set {API_KEY_ENV})")
+    p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    p.add_argument("--max-waiting", type=int, default=16, help="queued requests beyond the batch (then 429)")
+    p.add_argument("--max-tokens-limit", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the replica (default: all cores)")
+    p.add_argument("--detach", action="store_true",
+                   help="deploy on a local Ray cluster (started if needed) and return; `rasd serve --stop` ends it")
+    p.add_argument("--stop", action="store_true", help="shut down a detached service and its local Ray cluster")
+    p.set_defaults(func=_run)
+    return p
+
+
+
+def _run(args: Any) -> int:
+    from rasd.pipelines.serve import run_serve
+
+    return run_serve(args)

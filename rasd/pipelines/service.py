@@ -1,0 +1,232 @@
+"""The service's request logic, independent of Ray: validate, build a per-request decoder, stream events.
+
+`Service` owns the target model, the index and one continuous-batching `Scheduler`: every running request
+shares the target's forwards. The Serve deployment (`serve.py`) only maps HTTP onto these methods, so the
+logic can be tested and reused without an HTTP server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rasd.decoding.engine import GenerationOutput, build_decoder
+from rasd.decoding.proposers import METHODS
+from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.scheduler import Overloaded, Scheduler
+from rasd.pipelines.docqa import RETRIEVAL_METHODS, Source, fit_sources
+from rasd.pipelines.metrics import ServiceMetrics
+from rasd.pipelines.openai_api import ApiError
+
+
+@dataclass
+class ServeConfig:
+    """Everything a replica needs; plain values so that it travels through Ray and YAML unchanged."""
+
+    model: str = "default"
+    index: str | None = None              # an index folder (`rasd index build`), or None for no documents
+    draft_model: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    method: str = "pld"                   # default for /v1/completions and /v1/chat/completions
+    docqa_method: str = "rasd"            # default for /v1/docqa
+    max_batch: int = 8                    # requests decoded together (one shared forward per step)
+    max_waiting: int = 16                 # queued beyond the batch; more gets 429
+    max_tokens_limit: int = 1024          # the largest max_tokens a request may ask for
+    max_prompt_tokens: int | None = None  # default: the model's context minus room for one token
+    api_key: str | None = None
+    threads: int | None = None            # torch threads in the replica (Ray sets OMP_NUM_THREADS=1)
+    served_model_name: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or ("rasd-" + self.model if self.model == "default" else self.model)
+
+
+@dataclass
+class Prepared:
+    """A validated request ready to decode."""
+
+    prompt_ids: list[int]
+    method: str
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    sources: list[Source] = field(default_factory=list)
+
+
+class Service:
+    """Target model + index + scheduler; request handling shared by every HTTP endpoint."""
+
+    def __init__(self, config: ServeConfig):
+        from rasd.decoding.models import load_model
+
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.target = load_model(config.model, device=config.device, dtype=config.dtype)
+        self.draft = load_model(config.draft_model, device=config.device, dtype=config.dtype) \
+            if config.draft_model else None
+        self.index = self._open_index(config.index) if config.index else None
+        self.scheduler = Scheduler(self.target.model, max_batch=config.max_batch, max_waiting=config.max_waiting,
+                                   threads=config.threads)
+        self.metrics = ServiceMetrics(self.scheduler.load)
+        self._ingest_lock = threading.Lock()
+        self.started = time.time()
+
+    def _open_index(self, path: str) -> Any:
+        from rasd.index.store import Index, check_tokenizer
+
+        index = Index.open(path)
+        check_tokenizer(index, self.target)
+        return index
+
+    # ------------------------------------------------------------------ validation
+    def check_model(self, name: str | None) -> None:
+        if name and name not in (self.config.model_name, self.config.model):
+            raise ApiError(404, f"model {name!r} is not served here; this service serves "
+                                f"{self.config.model_name!r}", "not_found_error", "model")
+
+    def check_method(self, method: str) -> None:
+        if method not in METHODS:
+            raise ApiError(400, f"unknown method {method!r}; choose one of {', '.join(METHODS)}", param="method")
+        if method in RETRIEVAL_METHODS and self.index is None:
+            raise ApiError(400, f"method {method!r} drafts from an index; start the service with --index",
+                           param="method")
+        if method == "draft" and self.draft is None:
+            raise ApiError(400, "method 'draft' needs a draft model; start the service with --draft-model",
+                           param="method")
+
+    def prompt_limit(self) -> int:
+        return self.config.max_prompt_tokens or self.target.max_context - 1
+
+    def prepare(self, req: Any, prompt_ids: list[int], default_method: str, default_max: int | None,
+                sources: list[Source] | None = None) -> Prepared:
+        """Check a request's limits and sampling fields; raises ApiError with the field at fault."""
+        if req.n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        method = req.method or default_method
+        self.check_method(method)
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if len(prompt_ids) > self.prompt_limit():
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the limit is {self.prompt_limit()}",
+                           param="prompt")
+        room = self.target.max_context - len(prompt_ids)
+        max_tokens = req.max_tokens or default_max or min(self.config.max_tokens_limit, room)
+        if max_tokens > self.config.max_tokens_limit:
+            raise ApiError(400, f"max_tokens {max_tokens} exceeds this service's limit "
+                                f"{self.config.max_tokens_limit}", param="max_tokens")
+        if max_tokens > room:
+            raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                f"model's context of {self.target.max_context}", param="max_tokens")
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
+        return Prepared(prompt_ids, method, max_tokens, sampling, req.stop_list(), sources or [])
+
+    # ------------------------------------------------------------------ prompts
+    def encode_text(self, text: str) -> list[int]:
+        return [int(t) for t in self.target.tokenizer(text)["input_ids"]]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.target.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return [int(t) for t in ids]
+
+    def docqa_prompt(self, question: str, top_k: int, max_tokens: int | None) -> tuple[list[int], list[Source]]:
+        if self.index is None:
+            raise ApiError(400, "this service has no index; start it with --index", param="question")
+        if not question.strip():
+            raise ApiError(400, "the question is empty", param="question")
+        hits = self.index.search(question, k=top_k)
+        sources = [Source(doc_id=int(h.doc_id), chunk_id=int(h.chunk_id), score=float(h.score), text=h.text,
+                          title=getattr(h, "title", "") or "", source=getattr(h, "source", "") or "")
+                   for h in hits]
+        budget = self.target.max_context - (max_tokens or 256) - 1
+        try:
+            return fit_sources(self.target.tokenizer, question, sources, min(budget, self.prompt_limit()))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="question") from exc
+
+    # ------------------------------------------------------------------ decoding
+    def _stream_for(self, p: Prepared) -> Any:
+        datastores = self.index.datastores() if (self.index is not None and p.method in RETRIEVAL_METHODS) \
+            else None
+        extra = {"datastores": datastores} if datastores is not None else {}
+        decoder = build_decoder(self.target, p.method, draft=self.draft, **extra)
+        scope = getattr(decoder.proposer, "scope", None)
+        if p.sources and callable(scope) and self.index is not None:
+            doc_ids = list(dict.fromkeys(s.doc_id for s in p.sources))
+            scope(self.index.document_tokens(doc_ids))
+        return decoder.stream(p.prompt_ids, p.max_tokens, p.sampling, self.target.eos_token_ids, p.stop)
+
+    async def events(self, p: Prepared) -> AsyncIterator[tuple[str, Any]]:
+        """("tokens", block)... then ("done", GenerationOutput); the request leaves the batch if abandoned."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def sink(kind: str, payload: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
+
+        try:
+            ticket = self.scheduler.submit(self._stream_for(p), sink)
+        except Overloaded as exc:
+            raise ApiError(429, f"the service is at capacity: {exc}", "rate_limit_error") from exc
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+        finished = False
+        try:
+            while True:
+                kind, payload = await queue.get()
+                if kind == "error":
+                    finished = True
+                    raise ApiError(500, f"decoding failed: {payload}", "server_error")
+                finished = kind == "done"
+                yield kind, payload
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.scheduler.cancel(ticket)
+
+    async def run(self, p: Prepared) -> GenerationOutput:
+        """Decode to completion (non-streaming requests)."""
+        async for kind, payload in self.events(p):
+            if kind == "done":
+                return payload
+        raise ApiError(500, "decoding ended without a result", "server_error")
+
+    # ------------------------------------------------------------------ documents
+    def add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Append documents as a new index segment (durable when this returns), then serve from it."""
+        from rasd.index.documents import Document
+        from rasd.index.writer import add_documents
+
+        if self.index is None:
+            raise ApiError(400, "this service has no index; start it with --index", param="documents")
+        documents = [Document(text=d["text"], title=d.get("title", ""), source=d.get("source", ""),
+                              external_id=d.get("id")) for d in docs]
+        with self._ingest_lock:
+            before = self.index.num_documents
+            index = add_documents(self.index.root, documents, model=self.config.model)
+            self.index = index
+        return {"added": index.num_documents - before, "num_documents": index.num_documents,
+                "num_chunks": index.num_chunks}
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+
+def default_threads() -> int:
+    """All cores of the node: one replica decodes for everyone (batching), so it should use them all."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))

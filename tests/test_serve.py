@@ -1,0 +1,257 @@
+"""The Ray Serve app over real HTTP: a local Ray, the embedded model, a real FAISS index.
+
+Every answer is compared with the in-process engine token for token (through the text); concurrent
+requests share batched forwards and must still each get their own greedy output. Also: streaming (SSE),
+the OpenAI error format, the API key, limits (429) and document ingest.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key"
+DOCS = [
+    ("Bridges", "The Forth Bridge is a cantilever railway bridge across the Firth of Forth in Scotland. It was "
+                "designed by John Fowler and Benjamin Baker and opened in 1890. It is 2,467 metres long."),
+    ("Tea", "Green tea is made from leaves that are not withered and oxidised like black tea. It is brewed at "
+            "about 80 degrees Celsius for two to three minutes."),
+    ("Glaciers", "A glacier is a persistent body of dense ice that moves under its own weight. Glaciers form "
+                 "where snow accumulates faster than it melts over many years."),
+]
+QUESTION = "Who designed the Forth Bridge and when did it open?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import ray
+    from ray import serve
+
+    from rasd.index import Document, build_index
+    from rasd.pipelines.serve import build_app
+
+    index = tmp_path_factory.mktemp("serve") / "index"
+    build_index([Document(text=t, source=f"test:{title}", title=title) for title, t in DOCS], index)
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = {"index": str(index), "api_key": KEY, "max_batch": 4, "max_waiting": 1, "max_tokens_limit": 512,
+              "threads": 2}
+    serve.run(build_app(config), name="rasd-test", route_prefix="/")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=300)
+    yield {"client": client, "url": f"http://127.0.0.1:{port}", "index": index}
+    client.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local(service: dict[str, Any]) -> Any:
+    """The in-process reference: same model, same index."""
+    from rasd.decoding.models import load_model
+    from rasd.index.store import Index
+
+    return load_model("default"), Index.open(service["index"])
+
+
+def reference_completion(target: Any, prompt: str, max_new: int, method: str = "ar") -> str:
+    from rasd.decoding.engine import build_decoder
+
+    ids = target.tokenizer(prompt)["input_ids"]
+    out = build_decoder(target, method).generate(ids, max_new, eos_token_ids=target.eos_token_ids)
+    return out.text or ""
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_health_models_and_api_key(service: dict[str, Any]) -> None:
+    bare = httpx.Client(base_url=service["url"], timeout=30)
+    assert bare.get("/healthz").json()["status"] == "ok"           # health needs no key
+    denied = bare.get("/v1/models")
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    wrong = bare.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    models = service["client"].get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "rasd-default"
+
+
+def test_completion_equals_in_process_engine(service: dict[str, Any], local: Any) -> None:
+    target, _ = local
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "method": "pld"}
+    r = service["client"].post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "text_completion" and data["choices"][0]["finish_reason"] in ("stop", "length")
+    assert data["choices"][0]["text"] == reference_completion(target, prompt, 40)
+    assert data["usage"]["completion_tokens"] == data["rasd"]["new_tokens"] <= 40
+    assert data["rasd"]["method"] == "pld" and data["rasd"]["mean_accepted_tokens"] >= 1.0
+    # the same request streamed: the deltas add up to the same text, then usage, then [DONE]
+    with service["client"].stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(s)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == data["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == data["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == data["usage"]
+
+
+def test_chat_completion_shape_and_stream(service: dict[str, Any]) -> None:
+    messages = [{"role": "user", "content": "Name three primary colours."}]
+    r = service["client"].post("/v1/chat/completions", json={"messages": messages, "max_tokens": 24,
+                                                             "temperature": 0})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "chat.completion" and data["choices"][0]["message"]["role"] == "assistant"
+    with service["client"].stream("POST", "/v1/chat/completions",
+                                  json={"messages": messages, "max_tokens": 24, "temperature": 0,
+                                        "stream": True}) as s:
+        events = sse_events(s)[:-1]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == data["choices"][0]["message"]["content"]
+
+
+def test_docqa_equals_in_process_pipeline(service: dict[str, Any], local: Any) -> None:
+    from rasd.client import Client
+    from rasd.pipelines.docqa import DocQA
+
+    target, index = local
+    with Client(service["url"], api_key=KEY) as client:
+        answer = client.ask(QUESTION, top_k_sources=2, max_tokens=48)
+        streamed = list(client.ask_stream(QUESTION, top_k_sources=2, max_tokens=48))
+    ref = DocQA(index, target, method="rasd", top_k=2, max_new_tokens=48).ask(QUESTION)
+    assert answer.answer == ref.answer
+    assert answer.sources[0]["title"] == "Bridges"
+    assert answer.stats["method"] == "rasd" and answer.stats["mean_accepted_tokens"] > 1.0
+    assert streamed[0]["sources"][0]["title"] == "Bridges"
+    assert "".join(e.get("delta", "") for e in streamed).strip() == ref.answer
+    assert streamed[-1]["answer"] == ref.answer
+
+
+def test_concurrent_requests_share_the_batch_and_keep_their_outputs(service: dict[str, Any], local: Any) -> None:
+    target, _ = local
+    prompts = ["The capital of France is", "import numpy as np\n\ndef mean(xs):", "Once upon a time,",
+               "The three laws of motion are"]
+    results: dict[int, Any] = {}
+
+    def go(i: int) -> None:
+        results[i] = service["client"].post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 32,
+                                                                     "temperature": 0, "method": "pld"})
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, prompt in enumerate(prompts):
+        assert results[i].status_code == 200, results[i].text
+        assert results[i].json()["choices"][0]["text"] == reference_completion(target, prompt, 32), prompt
+
+
+def test_bad_requests_get_openai_style_errors(service: dict[str, Any]) -> None:
+    c = service["client"]
+    cases = [
+        ({}, 400, "prompt"),                                               # missing prompt
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "method": "magic"}, 400, "method"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+        ({"prompt": "word " * 8200}, 400, "prompt"),                     # longer than the 8192 context
+    ]
+    for body, status, param in cases:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"] and err["param"] == param, (body, err)
+    r = c.post("/v1/docqa", json={"question": "   "})
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+    r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_overload_gets_429_not_an_unbounded_queue(service: dict[str, Any]) -> None:
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def go() -> None:
+        r = service["client"].post("/v1/completions", json={"prompt": "Count slowly:", "max_tokens": 48,
+                                                            "temperature": 0, "method": "ar"})
+        with lock:
+            statuses.append(r.status_code)
+            if r.status_code == 429:
+                assert r.json()["error"]["type"] == "rate_limit_error"
+
+    threads = [threading.Thread(target=go) for _ in range(8)]   # batch 4 + 1 waiting: 3+ are refused
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert statuses.count(200) >= 5 - 1 and statuses.count(429) >= 1, statuses
+    assert set(statuses) <= {200, 429}
+
+
+def test_ingested_documents_are_retrieved_and_durable(service: dict[str, Any]) -> None:
+    from rasd.client import ApiError, Client
+    from rasd.index.store import Index
+
+    with Client(service["url"], api_key=KEY) as client:
+        added = client.add_documents([{"title": "Quokkas", "text": "The quokka is a small marsupial that lives on "
+                                       "Rottnest Island near Perth. Quokkas are nocturnal herbivores."}])
+        assert added["added"] == 1 and added["num_documents"] == len(DOCS) + 1
+        assert Index.open(service["index"]).num_documents == len(DOCS) + 1   # on disk when acknowledged
+        answer = client.ask("Where do quokkas live?", top_k_sources=1, max_tokens=24)
+        assert answer.sources[0]["title"] == "Quokkas"
+        with pytest.raises(ApiError) as info:
+            client.add_documents([{"title": "empty", "text": ""}])
+        assert info.value.status == 400
+
+
+def test_metrics_use_vllm_style_names(service: dict[str, Any]) -> None:
+    text = service["client"].get("/metrics").text
+    for name in ("rasd:spec_decode_num_drafts_total", "rasd:spec_decode_num_draft_tokens_total",
+                 "rasd:spec_decode_num_accepted_tokens_total", "rasd:spec_decode_num_accepted_tokens_per_pos_total",
+                 "rasd:request_latency_seconds_bucket", "rasd:num_requests_running"):
+        assert name in text, name
+
+
+def test_serve_config_yaml_builds(tmp_path: Path) -> None:
+    import yaml
+
+    from rasd.pipelines.serve import build_app
+
+    config = yaml.safe_load(Path("serve_config.yaml").read_text())
+    app = config["applications"][0]
+    assert app["import_path"] == "rasd.pipelines.serve:build_app"
+    build_app(app["args"])   # the builder accepts the file's args
+    with pytest.raises(ValueError, match="unknown serve config keys"):
+        build_app({"modle": "default"})
