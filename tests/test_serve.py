@@ -49,7 +49,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Any:
     index = tmp_path_factory.mktemp("serve") / "index"
     build_index([Document(text=t, source=f"test:{title}", title=title) for title, t in DOCS], index)
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running cluster
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = {"index": str(index), "api_key": KEY, "max_batch": 4, "max_waiting": 1, "max_tokens_limit": 512,
               "threads": 2}
@@ -255,3 +255,15 @@ def test_serve_config_yaml_builds(tmp_path: Path) -> None:
     build_app(app["args"])   # the builder accepts the file's args
     with pytest.raises(ValueError, match="unknown serve config keys"):
         build_app({"modle": "default"})
+
+
+def test_load_levels_report_throughput_and_latency(service: dict[str, Any]) -> None:
+    from rasd.pipelines.load import format_load_table, run_level
+
+    questions = [QUESTION, "How long is the Forth Bridge?", "How is green tea brewed?"]
+    level = run_level(service["url"], KEY, questions, 3, {"max_tokens": 12, "temperature": 0, "top_k_sources": 1})
+    assert level["requests"] == 3 and level["completion_tokens"] > 0 and level["tokens_per_s"] > 0
+    assert 0 < level["latency_p50_s"] <= level["latency_p95_s"] <= level["wall_s"] + 1
+    level.update(identical_to_in_process=1.0, vs_hf=2.0, vs_hf_e2e=2.5)
+    table = format_load_table({"hf_tokens_per_s": 10.0, "hf_e2e_tokens_per_s": 8.0, "levels": [level]})
+    assert "agg tok/s" in table and "2.00x" in table

@@ -137,9 +137,13 @@ def batch_inputs(trees: Sequence[DraftTree], row_lengths: Sequence[int], past_le
 class BatchDecoder:
     """Steps many `GenerationStream`s together: per-request proposing and committing, one shared forward."""
 
-    def __init__(self, model: torch.nn.Module, fast: bool = True):
+    def __init__(self, model: torch.nn.Module, fast: bool = True, max_batch_tokens: int = 64):
         self.model = model
         self.fast = fast
+        # Rows are padded to the largest tree, so one big tree makes every row pay for it: with several
+        # requests, each row gets an equal share of this many tree tokens per forward (the single-request
+        # sizer alone decides when the batch holds one request).
+        self.max_batch_tokens = max_batch_tokens
         self.cache = BatchCache.for_model(model)
         self.streams: list[GenerationStream] = []
         self.device = next(model.parameters()).device
@@ -183,6 +187,10 @@ class BatchDecoder:
         results: list[tuple[GenerationStream, list[int]]] = [(self.streams[b], []) for b in stopped]
         self._drop(stopped)
         proposals = [p for p in proposals if p[0] is not None]
+        if len(proposals) > 1:
+            share = max(1, self.max_batch_tokens // len(proposals))   # tree tokens per row, root included
+            # trees holding sampled (q) nodes are left whole: cutting them by score would bias sampling
+            proposals = [(tree if tree.q else tree.top_nodes(share - 1), s) for tree, s in proposals]
         if self.streams:
             results += self._verify_and_commit([p[0] for p in proposals], [p[1] for p in proposals])
         self._drop([b for b, stream in enumerate(self.streams) if stream.reason is not None])

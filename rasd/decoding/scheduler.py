@@ -53,6 +53,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopped = False
         self._inflight = 0                          # submitted and not yet finished, failed or dropped
+        self.loop_threads = 0                       # torch threads the loop runs with (for /healthz)
         self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="rasd-scheduler", daemon=True)
         self._thread.start()
@@ -92,6 +93,7 @@ class Scheduler:
     def _loop(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)
+        self.loop_threads = torch.get_num_threads()
         while True:
             with self._cond:
                 while not self._stopped and not self._waiting and not self._active:

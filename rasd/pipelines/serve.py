@@ -98,7 +98,8 @@ class RasdServer:
     async def healthz(self) -> dict[str, Any]:
         running, waiting = self.service.scheduler.load()
         return {"status": "ok", "model": self.config.model_name, "running": running, "waiting": waiting,
-                "index": None if self.service.index is None else str(self.service.index.root)}
+                "index": None if self.service.index is None else str(self.service.index.root),
+                "torch_threads": self.service.scheduler.loop_threads, "omp": os.environ.get("OMP_NUM_THREADS")}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
