@@ -48,8 +48,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     index = tmp_path_factory.mktemp("serve") / "index"
     build_index([Document(text=t, source=f"test:{title}", title=title) for title, t in DOCS], index)
-    port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running cluster
+    port = free_port()   # after ray.init: Ray's own processes take ephemeral ports while starting
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = {"index": str(index), "api_key": KEY, "max_batch": 4, "max_waiting": 1, "max_tokens_limit": 512,
               "threads": 2}
