@@ -247,3 +247,26 @@ def test_scheduler_refuses_beyond_its_queue_and_drops_cancelled_requests() -> No
         assert scheduler.load() == (0, 0), "cancelled requests must leave the batch"
     finally:
         scheduler.close()
+
+
+def test_a_warm_started_sizer_continues_from_what_the_last_request_learned() -> None:
+    from rasd.decoding.control import CostAwareSizer
+    from rasd.decoding.cost import CostCurve
+    from rasd.pipelines.service import sizer_state, warm_start
+
+    def curve(_: int) -> CostCurve:
+        return CostCurve(key="k", context_len=256, sizes=[1, 64], latency_s=[0.05, 0.2])
+
+    model = tiny_llama(0)
+    first = SpeculativeDecoder(model, make_proposer("pld"), sizer=CostAwareSizer(curve, max_nodes=16))
+    prompt = repeating(40, 0)
+    first.generate(prompt, 30)
+    state = sizer_state(first.sizer)
+    assert state["counts"] and state["observed"]
+    fresh = CostAwareSizer(curve, max_nodes=16)
+    warm_start(fresh, state)
+    assert fresh.estimator.counts == first.sizer.estimator.counts
+    assert fresh.estimator.counts is not first.sizer.estimator.counts, "a copy: requests never share state"
+    second = SpeculativeDecoder(model, make_proposer("pld"), sizer=fresh).generate(prompt, 30)
+    assert_greedy_equal(model, prompt, second.token_ids, hf_greedy(model, prompt, 30))
+    warm_start(fresh, {})   # nothing learned yet: no change, no error
