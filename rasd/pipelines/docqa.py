@@ -33,6 +33,12 @@ class Source:
     title: str = ""
     source: str = ""
 
+    @classmethod
+    def from_hit(cls, hit: Any) -> Source:
+        """A source from an index search hit."""
+        return cls(doc_id=int(hit.doc_id), chunk_id=int(hit.chunk_id), score=float(hit.score), text=hit.text,
+                   title=getattr(hit, "title", "") or "", source=getattr(hit, "source", "") or "")
+
 
 @dataclass
 class Answer:
@@ -80,6 +86,14 @@ def fit_sources(tokenizer: Any, question: str, sources: list[Source], max_prompt
         kept.pop()
 
 
+def scope_proposer(proposer: Any, index: Any, sources: list[Source]) -> None:
+    """Give a retrieval proposer the documents the retrieved sources come from as its per-request scope."""
+    scope_fn = getattr(proposer, "scope", None)
+    if callable(scope_fn):
+        doc_ids = list(dict.fromkeys(s.doc_id for s in sources))
+        scope_fn(index.document_tokens(doc_ids) if doc_ids else None)
+
+
 class DocQA:
     """Question → retrieved sources → cited prompt → speculative decoding with the index as datastore."""
 
@@ -98,9 +112,7 @@ class DocQA:
     def retrieve(self, question: str, top_k: int | None = None) -> list[Source]:
         if not question or not question.strip():
             raise ValueError("the question is empty")
-        hits = self.index.search(question, k=top_k or self.top_k)
-        return [Source(doc_id=int(h.doc_id), chunk_id=int(h.chunk_id), score=float(h.score), text=h.text,
-                       title=getattr(h, "title", "") or "", source=getattr(h, "source", "") or "") for h in hits]
+        return [Source.from_hit(h) for h in self.index.search(question, k=top_k or self.top_k)]
 
     def prepare(self, question: str, top_k: int | None = None) -> tuple[list[int], list[Source]]:
         """Prompt ids and the sources that fit, with room left for the answer in the model's window."""
@@ -110,10 +122,7 @@ class DocQA:
 
     def scope(self, sources: list[Source]) -> None:
         """Point the proposer's per-request datastore at the documents the answer will draw on."""
-        scope_fn = getattr(self.decoder.proposer, "scope", None)
-        if callable(scope_fn):
-            doc_ids = list(dict.fromkeys(s.doc_id for s in sources))
-            scope_fn(self.index.document_tokens(doc_ids) if doc_ids else None)
+        scope_proposer(self.decoder.proposer, self.index, sources)
 
     def ask(self, question: str, max_new_tokens: int | None = None, sampling: SamplingParams | None = None,
             top_k: int | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> Answer:

@@ -23,7 +23,7 @@ from rasd.decoding.engine import GenerationOutput, build_decoder
 from rasd.decoding.proposers import METHODS
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.scheduler import Overloaded, Scheduler
-from rasd.pipelines.docqa import RETRIEVAL_METHODS, Source, fit_sources
+from rasd.pipelines.docqa import RETRIEVAL_METHODS, Source, fit_sources, scope_proposer
 from rasd.pipelines.metrics import ServiceMetrics
 from rasd.pipelines.openai_api import ApiError
 
@@ -152,9 +152,7 @@ class Service:
         if not question.strip():
             raise ApiError(400, "the question is empty", param="question")
         hits = self.index.search(question, k=top_k)
-        sources = [Source(doc_id=int(h.doc_id), chunk_id=int(h.chunk_id), score=float(h.score), text=h.text,
-                          title=getattr(h, "title", "") or "", source=getattr(h, "source", "") or "")
-                   for h in hits]
+        sources = [Source.from_hit(h) for h in hits]
         budget = self.target.max_context - (max_tokens or 256) - 1
         try:
             return fit_sources(self.target.tokenizer, question, sources, min(budget, self.prompt_limit()))
@@ -168,10 +166,8 @@ class Service:
         extra = {"datastores": datastores} if datastores is not None else {}
         decoder = build_decoder(self.target, p.method, draft=self.draft, **extra)
         warm_start(decoder.sizer, self._warm.get(p.method))
-        scope = getattr(decoder.proposer, "scope", None)
-        if p.sources and callable(scope) and self.index is not None:
-            doc_ids = list(dict.fromkeys(s.doc_id for s in p.sources))
-            scope(self.index.document_tokens(doc_ids))
+        if p.sources and self.index is not None:
+            scope_proposer(decoder.proposer, self.index, p.sources)
         return decoder.stream(p.prompt_ids, p.max_tokens, p.sampling, self.target.eos_token_ids, p.stop)
 
     async def events(self, p: Prepared) -> AsyncIterator[tuple[str, Any]]:
