@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rasd.decoding.control import SIZINGS
 from rasd.decoding.proposers import METHODS
 
 
@@ -73,8 +74,10 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_sampling_args(p)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--sizing", default="cost", choices=["cost", "fixed"],
-                   help="tree sizing: measured cost model (default) or a fixed node budget")
+    p.add_argument("--sizing", default="cost", choices=list(SIZINGS),
+                   help="tree/draft-length policy: measured cost model (default), a fixed node budget, HF's "
+                        "heuristic schedule, a confidence threshold, Thompson sampling (EESD); ldlp needs "
+                        "`rasd train ldlp`")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=run_generate)
 
@@ -122,8 +125,8 @@ def validate_method(method: str, draft_model: str | None) -> None:
     """Fail before loading any model when the method cannot run."""
     if method not in METHODS:
         raise CliError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method == "draft" and not draft_model:
-        raise CliError("method 'draft' needs --draft-model (a small model sharing the target's tokenizer)")
+    if method in ("draft", "optree") and not draft_model:
+        raise CliError(f"method {method!r} needs --draft-model (a small model sharing the target's tokenizer)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -131,6 +134,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from rasd.decoding.engine import build_decoder
 
     validate_method(args.method, args.draft_model)
+    if args.sizing == "ldlp":   # fail before loading any model
+        raise CliError("sizing 'ldlp' needs a trained LDLP: run `rasd train ldlp`")
     text = read_prompt(args)
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1")

@@ -36,7 +36,11 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
     "retrieval N64 L8": ("retrieval", {"max_continuations": 64}),
     "retrieval N16 L16": ("retrieval", {"length": 16}),
     "retrieval N8 L4": ("retrieval", {"max_continuations": 8, "length": 4}),
+    "recycling": ("recycling", {}),
+    "recycling tmpl": ("recycling", {"shape": "template"}),
+    "rasd norec": ("rasd", {"recycling": None}),
     "rasd b4": ("rasd", {}),
+    "rasd rec-prune": ("rasd", {"prune_with": "recycling"}),
     "rasd b2": ("rasd", {"prune_config": PruneConfig(max_branches=2)}),
     "rasd b8 share.1": ("rasd", {"prune_config": PruneConfig(max_branches=8, min_share=0.1)}),
 }

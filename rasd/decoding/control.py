@@ -11,6 +11,28 @@ that decay toward a prior so they follow the current request: a source that stop
 to the prior mean and gets tried again (optionally, `thompson=True` samples the posteriors instead).
 When nothing pays for its cost, n = 0 and the step is plain decoding: speculation never makes decoding
 markedly slower than `ar`.
+
+Every policy has the same three methods, `budget(context_len)` (nodes to ask proposers for),
+`cut(tree, context_len)` (the prefix-closed subtree to verify) and `observe(tree, accepted, overhead_s,
+verify_s)` (learn from the verdict), and `make_sizer` picks one by name (`SIZINGS`):
+
+- `cost` (default): `CostAwareSizer` above.
+- `fixed`: the `max_nodes` nodes with the best proposer scores; learns nothing.
+- `heuristic`: Hugging Face's assisted-generation schedule as a depth limit: +2 after a step in which every
+  drafted token on the accepted path was accepted (the path ended at a leaf of the verified tree), −1
+  otherwise, never below 1.
+- `threshold`: keep nodes whose path confidence (the proposer's p̂, made monotone) is at least τ = 0.3.
+- `thompson` (EESD): a Beta(α, β) posterior on the per-token acceptance rate θ; each step, level by level,
+  sample θ̃ ~ Beta(α, β) and go one level deeper while θ̃^d (the sampled chance that a depth-d token is
+  reached and accepted) is worth its cost `min_gain`, up to a hard cap; after the verification α += the
+  accepted tokens and β += 1 when a drafted token was rejected.
+- `ldlp` (AdaEAGLE's length predictor) is reserved: it needs a trained predictor.
+
+Exactness under sampling: a depth limit that does not look at the current step's tokens keeps every node
+sampled from q with the chain it was drawn in (it is just a shorter draft), so it stays exact. A score cut
+would drop a sampled node *because of its own value*, which biases the proposal away from q: the threshold
+rule therefore decides a sampled node by its parent's confidence (drafting it was decided before it was
+drawn), and deterministic nodes by their own.
 """
 
 from __future__ import annotations
@@ -18,6 +40,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from rasd.decoding.cost import CostCurve
 from rasd.decoding.tree import DraftTree
@@ -185,3 +208,159 @@ class CostAwareSizer:
         if verify_s is not None and self.learn_latency:
             old = self.observed.get(len(tree))
             self.observed[len(tree)] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
+
+
+class Sizer(Protocol):
+    """The interface every tree-size policy implements (see the module docstring)."""
+
+    def budget(self, context_len: int) -> int:
+        """Largest tree (draft nodes) worth asking proposers for."""
+        ...
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        """The prefix-closed subtree to verify."""
+        ...
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """Learn from the verdict on `tree` (the tree `cut` returned)."""
+
+
+def depth_cut(tree: DraftTree, limit: int) -> DraftTree:
+    """The nodes at depth <= `limit` (prefix-closed: an ancestor is never deeper than its descendant)."""
+    depths = tree.depths()
+    if max(depths) <= limit:
+        return tree
+    return tree.subtree(i for i in range(1, len(tree)) if depths[i] <= limit)
+
+
+def ended_at_leaf(tree: DraftTree, accepted: list[int]) -> bool:
+    """Whether the accepted path ran out of draft rather than being rejected.
+
+    True when the last accepted node (the root if none) has no children in the verified tree: every
+    drafted token the target looked at on that path was accepted, HF's "all draft tokens accepted".
+    """
+    last = accepted[-1] if accepted else 0
+    return not tree.children(last)
+
+
+class HeuristicSizer:
+    """HF's `num_assistant_tokens_schedule="heuristic"` as a depth limit on the tree.
+
+    HF starts at 20 assistant tokens for GPU-sized models; `initial=5` here because a CPU pays for every
+    token of a tree (README's cost curve). `max_depth` caps the growth when proposers stay short.
+    """
+
+    def __init__(self, max_nodes: int = 64, initial: int = 5, max_depth: int = 32):
+        self.max_nodes, self.max_depth = max_nodes, max_depth
+        self.depth = max(1, min(initial, max_depth))
+
+    def budget(self, context_len: int) -> int:
+        return self.max_nodes
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        return depth_cut(tree, self.depth).top_nodes(self.max_nodes)
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """+2 when all drafted tokens on the path were accepted, −1 otherwise (min 1); no draft: no change."""
+        if tree.num_draft_tokens == 0:
+            return
+        if ended_at_leaf(tree, accepted):
+            self.depth = min(self.depth + 2, self.max_depth)
+        else:
+            self.depth = max(self.depth - 1, 1)
+
+
+class ThresholdSizer:
+    """Keep the nodes whose path confidence is at least `threshold` (AdaEAGLE/EAGLE-2-style cut).
+
+    0.3 by default: a node is worth verifying when it is accepted in roughly one step in three, about the
+    cost of one more tree token relative to a plain step on a CPU (README's cost curve).
+    """
+
+    def __init__(self, max_nodes: int = 64, threshold: float = 0.3):
+        self.max_nodes, self.threshold = max_nodes, threshold
+
+    def budget(self, context_len: int) -> int:
+        return self.max_nodes
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        scores = tree.monotone_scores()
+        keep = [i for i in range(1, len(tree))
+                if scores[tree.parents[i] if i in tree.q else i] >= self.threshold]
+        return tree.subtree(keep).top_nodes(self.max_nodes)
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """A fixed threshold learns nothing."""
+
+
+class ThompsonSizer:
+    """EESD's Thompson-sampling draft length, as a depth limit on the tree.
+
+    θ (per-token acceptance given the previous token was accepted) has a Beta(α, β) posterior. Level by
+    level, θ̃ ~ Beta(α, β) is sampled and the tree goes one level deeper while θ̃^d >= `min_gain`: acting
+    optimally for a sampled θ is Thompson sampling, so an uncertain posterior sometimes tries deeper drafts
+    and a confident one settles. At least `min_depth` levels are kept (so there is always something to
+    learn from) and at most `max_depth` (the hard cap). Tokens after the first rejection are never judged,
+    so a step adds its accepted tokens to α and at most one rejection to β.
+    """
+
+    def __init__(self, max_nodes: int = 64, prior: tuple[float, float] = (1.0, 1.0), min_gain: float = 0.3,
+                 min_depth: int = 1, max_depth: int = 10, decay: float = 1.0, seed: int = 0):
+        self.max_nodes, self.min_gain = max_nodes, min_gain
+        self.min_depth, self.max_depth, self.decay = min_depth, max_depth, decay
+        self.prior = prior
+        self.alpha, self.beta = prior
+        self.depth = min_depth          # the depth limit chosen by the last `cut`
+        self._rng = random.Random(seed)
+
+    def budget(self, context_len: int) -> int:
+        return self.max_nodes
+
+    def sample_depth(self) -> int:
+        """Go one level deeper while the sampled θ̃^(d+1) pays for the next level."""
+        depth = self.min_depth
+        while depth < self.max_depth:
+            theta = self._rng.betavariate(self.alpha, self.beta)
+            if theta ** (depth + 1) < self.min_gain:
+                break
+            depth += 1
+        return depth
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        self.depth = self.sample_depth()
+        return depth_cut(tree, self.depth).top_nodes(self.max_nodes)
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """α += accepted tokens; β += 1 if the path stopped at a rejection (no draft: nothing learnt)."""
+        if tree.num_draft_tokens == 0:
+            return
+        a0, b0 = self.prior
+        self.alpha = a0 + (self.alpha - a0) * self.decay + len(accepted)
+        self.beta = b0 + (self.beta - b0) * self.decay + (0.0 if ended_at_leaf(tree, accepted) else 1.0)
+
+
+SIZINGS = ("cost", "fixed", "heuristic", "threshold", "thompson", "ldlp")
+
+
+def make_sizer(name: str, max_nodes: int = 64, curve_for: Callable[[int], CostCurve] | None = None,
+               **options: Any) -> Sizer:
+    """The sizing policy called `name` (see SIZINGS); `cost` needs the target's cost-curve provider."""
+    if name == "cost":
+        if curve_for is None:
+            raise ValueError("sizing 'cost' needs the target's cost curve (curve_for)")
+        return CostAwareSizer(curve_for, max_nodes=max_nodes, **options)
+    if name == "fixed":
+        return FixedSizer(max_nodes)
+    if name == "heuristic":
+        return HeuristicSizer(max_nodes, **options)
+    if name == "threshold":
+        return ThresholdSizer(max_nodes, **options)
+    if name == "thompson":
+        return ThompsonSizer(max_nodes, **options)
+    if name == "ldlp":
+        raise ValueError("sizing 'ldlp' needs a trained LDLP: run `rasd train ldlp`")
+    raise ValueError(f"unknown sizing {name!r}; choose one of {', '.join(SIZINGS)}")

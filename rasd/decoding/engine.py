@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from rasd.decoding.cache import TreeCache
-from rasd.decoding.control import CostAwareSizer, FixedSizer
+from rasd.decoding.control import CostAwareSizer, FixedSizer, Sizer, make_sizer
 from rasd.decoding.cost import context_bucket, load_or_measure
 from rasd.decoding.kernels import fast_kernels, install
-from rasd.decoding.proposers import Proposer, make_proposer
+from rasd.decoding.proposers import Proposer, RecyclingMatrix, make_proposer
 from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
 from rasd.decoding.stats import DecodeStats
 from rasd.decoding.tree import DraftTree
@@ -33,6 +33,10 @@ class GenerationOutput:
     text: str | None
     finish_reason: str     # "eos" | "length" | "stop"
     stats: DecodeStats
+    # where each of `token_ids` came from: "prefill" (the first token), a draft node's source ("datastore",
+    # "documents", "context", "draft", ...) when verification accepted it, or "bonus" (the target's own token)
+    token_sources: list[str] = field(default_factory=list)
+    plain_step_s: float | None = None   # measured latency of one plain decoding step (cost curve, 1 token)
 
     @property
     def finished(self) -> bool:
@@ -133,6 +137,11 @@ class GenerationStream:
         self.context: list[int] = []
         self.generated: list[int] = []
         self.reason: str | None = None
+        # per committed token, its source (see GenerationOutput.token_sources); append-only, so another
+        # thread may read the sources of the tokens it has been handed while this one goes on decoding
+        self.token_sources: list[str] = []
+        self.last_sources: list[str] = []   # the sources of the last committed block
+        self.plain_step_s: float | None = None
         self._t_start = 0.0
         self._iter = self._run()
 
@@ -171,6 +180,8 @@ class GenerationStream:
         dec.proposer.start(self.prompt_ids, self.sampling)
         first = self._prefill(cache)
         self.context, self.generated = self.prompt_ids + [first], [first]
+        self.last_sources = ["prefill"]
+        self.token_sources += self.last_sources
         _, self.reason = self.checker.cut([], [first])
         self.stats.prefill_time_s = time.perf_counter() - self._t_start
         return [first]
@@ -187,6 +198,8 @@ class GenerationStream:
         t0 = time.perf_counter()
         room = dec.max_context - len(self.context) - 1
         budget = min(dec.sizer.budget(len(self.context)), room)
+        if isinstance(dec.sizer, CostAwareSizer):   # memoised by the sizer's budget() just above
+            self.plain_step_s = dec.sizer.curve_for(len(self.context)).latency(1)
         tree = dec.proposer.propose(self.context, budget) if budget > 0 else DraftTree.root_only(self.context[-1])
         self.stats.pruned_nodes += tree.pruned
         tree = dec.sizer.cut(tree, len(self.context)).top_nodes(max(budget, 0))
@@ -198,7 +211,10 @@ class GenerationStream:
         dec, stats = self.decoder, self.stats
         t2 = time.perf_counter()
         block, self.reason = self.checker.cut(self.generated, verdict.new_tokens(tree))
-        stats.record_step(tree.sources[1:], [tree.sources[i] for i in verdict.accepted], tree.num_draft_tokens)
+        sources = [tree.sources[i] for i in verdict.accepted]
+        stats.record_step(tree.sources[1:], sources, tree.num_draft_tokens)
+        self.last_sources = (sources + ["bonus"])[: len(block)]   # a stop condition may have cut the block
+        self.token_sources += self.last_sources
         self.context += block
         self.generated += block
         dec.proposer.observe(self.context, tree, verdict, logits)
@@ -216,7 +232,8 @@ class GenerationStream:
         stats.finish_reason = self.reason or "length"
         stats.total_time_s = time.perf_counter() - self._t_start
         self.output = GenerationOutput(token_ids=self.generated, text=self._text(self.generated),
-                                       finish_reason=stats.finish_reason, stats=stats)
+                                       finish_reason=stats.finish_reason, stats=stats,
+                                       token_sources=list(self.token_sources), plain_step_s=self.plain_step_s)
         return self.output
 
     def _prefill(self, cache: TreeCache) -> int:
@@ -238,21 +255,30 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
                   sizing: str = "cost", max_nodes: int = 64, **proposer_options: Any) -> SpeculativeDecoder:
     """A decoder for a LoadedModel and a method name, with cost-aware sizing against its measured curve.
 
-    `sizing="fixed"` skips the cost model (keeps up to `max_nodes` nodes by proposer score). `datastores`
-    (token suffix arrays) feed the `retrieval` and `rasd` methods; other methods ignore them.
+    `sizing` names the tree-size policy (`control.SIZINGS`): `cost` (default) against the target's measured
+    cost curve, `fixed` (keeps up to `max_nodes` nodes by proposer score, no cost model), `heuristic`,
+    `threshold` or `thompson`; `ldlp` needs a trained predictor. With `cost`, `optree`'s δ is the ratio of a
+    measured draft forward to the curve's plain step (see `rasd.decoding.trees`). `datastores`
+    (token suffix arrays) feed the `retrieval` and `rasd` methods; other methods ignore them. `recycling` and
+    `rasd` read the target's Token Recycling matrix: pass a shared one (`recycling=`) to keep what earlier
+    requests recycled (hot start); otherwise this decoder gets its own, empty one.
     """
+    if method in ("recycling", "rasd"):
+        proposer_options.setdefault("recycling", RecyclingMatrix(vocab_size(target.model)))
+    curve_for = _curve_provider(target)   # lazy: nothing is measured unless a policy asks for the curve
+    if method == "optree" and sizing == "cost":
+        proposer_options.setdefault("target_step_s", lambda context_len: curve_for(context_len).latency(1))
     proposer = make_proposer(method, draft_model=None if draft is None else draft.model, datastores=datastores,
                              **proposer_options)
-    if method == "ar":
-        sizer: CostAwareSizer | FixedSizer = FixedSizer(0)
-    elif sizing == "fixed":
-        sizer = FixedSizer(max_nodes)
-    elif sizing == "cost":
-        sizer = CostAwareSizer(_curve_provider(target), max_nodes=max_nodes)
-    else:
-        raise ValueError(f"unknown sizing {sizing!r}; choose cost or fixed")
+    sizer: Sizer = FixedSizer(0) if method == "ar" else make_sizer(sizing, max_nodes, curve_for=curve_for)
     return SpeculativeDecoder(target.model, proposer, tokenizer=target.tokenizer, sizer=sizer,
                               max_context=target.max_context, method=method)
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the LM head: the ids the target can emit (config.vocab_size may be smaller or padded)."""
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
 def _curve_provider(target: Any) -> Callable[[int], Any]:

@@ -8,11 +8,15 @@ The same class runs behind `rasd ask`, the benchmark's document-QA mode and (lat
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from rasd.decoding.engine import SpeculativeDecoder, build_decoder
+from rasd.decoding.engine import SpeculativeDecoder, build_decoder, vocab_size
+from rasd.decoding.proposers import RecyclingMatrix
+from rasd.decoding.proposers.recycling import matrix_path
 from rasd.decoding.sampling import GREEDY, SamplingParams
 from rasd.decoding.stats import DecodeStats
 
@@ -99,14 +103,16 @@ class DocQA:
 
     def __init__(self, index: Any, target: Any, method: str = "rasd", draft: Any = None,
                  top_k: int = DEFAULT_TOP_K, chat: bool = True, max_new_tokens: int = 256,
-                 sizing: str = "cost"):
+                 sizing: str = "cost", recycling: Any = None):
         from rasd.index.store import check_tokenizer
 
         check_tokenizer(index, target)
         self.index, self.target, self.method = index, target, method
         self.top_k, self.chat, self.max_new_tokens = top_k, chat, max_new_tokens
         datastores = index.datastores() if method in RETRIEVAL_METHODS else None
-        extra = {"datastores": datastores} if datastores is not None else {}
+        extra: dict[str, Any] = {"datastores": datastores} if datastores is not None else {}
+        if recycling is not None and method in ("recycling", "rasd"):
+            extra["recycling"] = recycling      # a hot matrix from earlier runs (see `recycling_for`)
         self.decoder: SpeculativeDecoder = build_decoder(target, method, draft=draft, sizing=sizing, **extra)
 
     def retrieve(self, question: str, top_k: int | None = None) -> list[Source]:
@@ -172,10 +178,17 @@ def open_index(spec: str, model: str) -> Any:
         raise CliError(str(exc)) from exc
 
 
+def save_quietly(matrix: RecyclingMatrix, path: Path) -> None:
+    """Keep what this run recycled for the next one; a read-only cache folder only costs the hot start."""
+    try:
+        matrix.save(path)
+    except OSError as exc:
+        print(f"note: could not save the recycling matrix to {path}: {exc}", file=sys.stderr)
+
+
 def run_ask(args: Any) -> int:
     """Retrieve, stream the answer to stdout, then the sources and a statistics line (stderr)."""
     import json
-    import sys
 
     from rasd.cli import CliError, TextPrinter, load_target, sampling_from_args, validate_method
 
@@ -188,12 +201,14 @@ def run_ask(args: Any) -> int:
     index = open_index(args.index, args.model)
     target, draft = load_target(args)
     try:
+        recycling = RecyclingMatrix.load_or_new(matrix_path(target.name), vocab_size(target.model))
         qa = DocQA(index, target, method=args.method, draft=draft, top_k=args.top_k,
-                   max_new_tokens=args.max_new_tokens)
+                   max_new_tokens=args.max_new_tokens, recycling=recycling)
         printer = None if args.json else TextPrinter(target.tokenizer)
         answer = qa.ask(args.question, sampling=sampling, on_tokens=None if printer is None else printer.push)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
+    save_quietly(recycling, matrix_path(target.name))
     if args.json:
         print(json.dumps(answer.to_dict()))
         return 0

@@ -9,17 +9,19 @@ from rasd.decoding.proposers.base import Proposer
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.pld import PromptLookupProposer
 from rasd.decoding.proposers.rasd import RasdProposer
+from rasd.decoding.proposers.recycling import RecyclingMatrix, RecyclingProposer
 from rasd.decoding.proposers.retrieval import RetrievalProposer
 
-METHODS = ("ar", "pld", "draft", "retrieval", "rasd")
+METHODS = ("ar", "pld", "draft", "optree", "retrieval", "recycling", "rasd")
 
 
 def make_proposer(method: str, draft_model: Any = None, datastores: list[Any] | None = None,
-                  **options: Any) -> Proposer:
+                  recycling: RecyclingMatrix | None = None, **options: Any) -> Proposer:
     """Build the proposer for a method name; a clear error for unknown names or missing draft models.
 
     `datastores` (token suffix arrays) are used by `retrieval` and `rasd` and ignored by the others; `rasd`
-    uses the draft model when one is given and works without one (see its module docstring).
+    uses the draft model when one is given and works without one (see its module docstring). `recycling` (the
+    target's shared Token Recycling matrix) feeds `recycling` (required) and `rasd` (optional source).
     """
     if method == "ar":
         return NoDraftProposer()
@@ -29,12 +31,20 @@ def make_proposer(method: str, draft_model: Any = None, datastores: list[Any] | 
         if draft_model is None:
             raise ValueError("method 'draft' needs a draft model (--draft-model) sharing the target's tokenizer")
         return DraftModelProposer(draft_model, **options)
+    if method == "optree":
+        if draft_model is None:
+            raise ValueError("method 'optree' needs a draft model (--draft-model) sharing the target's tokenizer")
+        return DraftModelProposer(draft_model, shape="optree", **options)
     if method == "retrieval":
         return RetrievalProposer(datastores, **options)
+    if method == "recycling":
+        if recycling is None:
+            raise ValueError("method 'recycling' needs the target's recycling matrix (build_decoder makes one)")
+        return RecyclingProposer(recycling, **options)
     if method == "rasd":
-        return RasdProposer(datastores, draft_model=draft_model, **options)
+        return RasdProposer(datastores, draft_model=draft_model, recycling=recycling, **options)
     raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
 
 __all__ = ["METHODS", "DraftModelProposer", "NoDraftProposer", "PromptLookupProposer", "Proposer", "RasdProposer",
-           "RetrievalProposer", "make_proposer"]
+           "RecyclingMatrix", "RecyclingProposer", "RetrievalProposer", "make_proposer"]

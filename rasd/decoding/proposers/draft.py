@@ -7,29 +7,52 @@ each frontier node's top-k children, the global top `width` by path probability 
 frontier; deepening stops at `max_depth` or when the best frontier p̂ falls under `min_prob`.
 With sampling (temperature > 0) the draft is a chain sampled from the draft's warped distribution q, and q
 is attached to each node so the verifier can apply the exact SpecInfer residual rule.
+
+`shape="optree"` (method `optree`) grows the OPT-Tree instead (`rasd.decoding.trees`): the tree of n nodes
+(n = the sizer's budget) with the largest expected acceptance length, deepened while the gain exceeds δ.
+Its nodes are deterministic top-n candidates, in greedy and in sampling mode alike (no q attached): the
+verifier accepts such a candidate x with probability p(x) and zeroes it on rejection, which is exact.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 
 from rasd.decoding.cache import TreeCache
 from rasd.decoding.sampling import GREEDY, SamplingParams, target_probs
 from rasd.decoding.tree import DraftTree
+from rasd.decoding.trees import DEFAULT_MAX_DEPTH, delta_from_times, grow_opt_tree
 from rasd.decoding.verify import Verdict, cache_kwargs
 
 SOURCE = "draft"
+SHAPES = ("topk", "optree")
 
 
 class DraftModelProposer:
-    """Chain (width=1, top_k=1) or top-k tree drafts from a separate small model."""
+    """Chain (width=1, top_k=1), top-k tree or OPT-Tree (shape="optree") drafts from a separate small model."""
 
     name = "draft"
 
-    def __init__(self, model: torch.nn.Module, max_depth: int = 6, top_k: int = 1, width: int = 1,
-                 min_prob: float = 0.05, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, max_depth: int | None = None, top_k: int = 1, width: int = 1,
+                 min_prob: float = 0.05, seed: int = 0, shape: str = "topk", delta: float | None = None,
+                 target_step_s: Callable[[int], float | None] | None = None):
+        if shape not in SHAPES:
+            raise ValueError(f"unknown draft shape {shape!r}; choose one of {', '.join(SHAPES)}")
         self.model = model
+        self.shape = shape
+        if shape == "optree":
+            self.name = "optree"
+        if max_depth is None:
+            max_depth = DEFAULT_MAX_DEPTH if shape == "optree" else 6
         self.max_depth, self.top_k, self.width, self.min_prob = max_depth, top_k, width, min_prob
+        # OPT-Tree's δ: fixed when given, else the measured draft-forward / target-step time ratio.
+        # `target_step_s(context_len)` gives the target's plain-step latency (from the engine's cost curve).
+        self.delta, self.target_step_s = delta, target_step_s
+        self.forward_s: float | None = None   # EMA of one frontier draft forward (seconds)
+        self.last_layers = 0                   # OPT-Tree layers grown by the last propose (statistics, tests)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = TreeCache.for_model(model)
@@ -52,7 +75,9 @@ class DraftModelProposer:
         tree = DraftTree.root_only(context[-1])
         if max_nodes <= 0:
             return tree
-        if self.sampling.greedy:
+        if self.shape == "optree":
+            tree = self._opt_tree(context, logits, max_nodes)
+        elif self.sampling.greedy:
             self._expand_tree(tree, logits, len(context), max_nodes)
         else:
             self._sample_chain(tree, logits, len(context), max_nodes)
@@ -102,9 +127,43 @@ class DraftModelProposer:
         depths = tree.depths()
         ids = torch.tensor([[tree.tokens[i] for i in nodes]], device=self.device)
         pos = torch.tensor([[context_len - 1 + depths[i] for i in nodes]], device=self.device)
+        t0 = time.perf_counter()
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask[None, None].to(self.device),
                          use_cache=True, **cache_kwargs(self.model, self.cache))
-        return out.logits[0].float()
+        logits = out.logits[0].float()
+        if self.device.type == "cuda":   # time the forward, not its launch (the top-k right after syncs anyway)
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        self.forward_s = elapsed if self.forward_s is None else 0.8 * self.forward_s + 0.2 * elapsed
+        return logits
+
+    def current_delta(self, context_len: int) -> float:
+        """OPT-Tree's δ: the configured one, else t_draft / t_target when both are known, else 0.5."""
+        if self.delta is not None:
+            return self.delta
+        target_s = self.target_step_s(context_len) if self.target_step_s is not None else None
+        return delta_from_times(self.forward_s, target_s)
+
+    def _opt_tree(self, context: list[int], root_logits: torch.Tensor, max_nodes: int) -> DraftTree:
+        """OPT-Tree of `max_nodes` nodes; each layer is one batched draft forward over the frontier."""
+        context_len = len(context)
+
+        def expand(grown: DraftTree, frontier: list[int]) -> torch.Tensor:   # -> [F, vocab]
+            logits = root_logits[None] if frontier == [0] else self._forward_nodes(grown, frontier[0], context_len)
+            return self._node_probs(logits)
+
+        result = grow_opt_tree(context[-1], expand, max_nodes, self.current_delta(context_len),
+                               self.max_depth, SOURCE)
+        self.last_layers = result.layers
+        return result.tree
+
+    def _node_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft probabilities behind p̂: plain softmax when greedy, the warped q when sampling.
+
+        Under sampling a deterministic candidate x is accepted with the target's warped p(x), which the
+        draft's warped distribution estimates better than its raw one.
+        """
+        return logits.softmax(-1) if self.sampling.greedy else target_probs(logits, self.sampling)
 
     def _expand_tree(self, tree: DraftTree, root_logits: torch.Tensor, context_len: int, max_nodes: int) -> None:
         """Greedy drafting: top-k children per frontier node, keep the global top `width` by p̂."""

@@ -7,9 +7,12 @@ the target verifies the fused tree once. Nodes keep their source ("draft", "data
 "context"; a token proposed by both the draft and retrieval is tagged "draft"), so statistics show whose
 tokens got accepted, and `DecodeStats.pruned_nodes` counts what pruning removed.
 
-Without a draft model (the embedded default has no smaller sibling sharing its tokenizer) `rasd` still
-works: the context, datastore and document tries are fused and pruned by retrieval counts alone, unless a
-`probs_fn` (any `context -> next-token probabilities [vocab]`, e.g. Token Recycling later) is given.
+A fourth source is Token Recycling (`recycling`): the target's own top-k recycled from earlier
+verifications. Its tree is fused last, filling whatever budget the other sources leave (it always has a
+guess, where retrieval often has none), and without a draft model its recycled root distribution is the
+probability source that prunes retrieval branches (`prune_with="recycling"`). Without a draft model or a
+recycling matrix the retrieval branches are pruned by retrieval counts alone, unless a `probs_fn` (any
+`context -> next-token probabilities [vocab]`) is given.
 
 Sampling stays exact: the draft tree (whose nodes were sampled from q) is built first and kept whole;
 retrieval nodes are deterministic candidates grafted after the sampled ones (see `fusion`).
@@ -24,6 +27,7 @@ import torch
 
 from rasd.decoding.fusion import ProbsFn, PruneConfig, fuse, merge_trees, prune
 from rasd.decoding.proposers.draft import DraftModelProposer
+from rasd.decoding.proposers.recycling import RecyclingMatrix, RecyclingProposer
 from rasd.decoding.proposers.retrieval import CONTEXT, RetrievalProposer, match_class
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.tree import DraftTree
@@ -40,12 +44,30 @@ class RasdProposer:
 
     def __init__(self, datastores: Sequence[SuffixArray] | None = None, draft_model: torch.nn.Module | None = None,
                  prune_config: PruneConfig | None = None, probs_fn: ProbsFn | None = None,
-                 draft_options: dict[str, Any] | None = None, **retrieval_options: Any):
+                 draft_options: dict[str, Any] | None = None, recycling: RecyclingMatrix | None = None,
+                 recycling_options: dict[str, Any] | None = None, prune_with: str = "auto",
+                 **retrieval_options: Any):
         self.retrieval = RetrievalProposer(datastores, **retrieval_options)
         self.draft = None if draft_model is None else DraftModelProposer(draft_model, **(draft_options or {}))
+        self.recycling = None if recycling is None else RecyclingProposer(recycling, **(recycling_options or {}))
         self.model = draft_model          # the engine installs its fast kernels on `proposer.model`
         self.prune_config = prune_config or PruneConfig()
-        self.probs_fn = probs_fn if probs_fn is not None else (self.draft.root_probs if self.draft else None)
+        self.probs_fn = probs_fn if probs_fn is not None else self._probability_source(prune_with)
+
+    def _probability_source(self, prune_with: str) -> ProbsFn | None:
+        """"auto": the draft model, else nothing (counts); "draft", "recycling" or "counts" explicitly.
+
+        Recycled probabilities are not the default: they are the target's top-k after the root token in
+        some EARLIER context, and on LongBench QA they pruned good retrieval branches (see README).
+        """
+        choices = {"auto": self.draft.root_probs if self.draft else None,
+                   "draft": self.draft.root_probs if self.draft else None,
+                   "recycling": self.recycling.root_probs if self.recycling else None, "counts": None}
+        if prune_with not in choices:
+            raise ValueError(f"unknown prune_with {prune_with!r}; choose one of {', '.join(choices)}")
+        if prune_with in ("draft", "recycling") and choices[prune_with] is None:
+            raise ValueError(f"prune_with={prune_with!r} needs a {prune_with} source")
+        return choices[prune_with]
 
     def scope(self, doc_tokens: Sequence[Sequence[int]] | None) -> None:
         """This request's retrieved documents (see `RetrievalProposer.scope`)."""
@@ -72,14 +94,18 @@ class RasdProposer:
         # The request's own text (prompt + output) goes in before the datastore: in document QA the cited
         # chunks are in the prompt and small models repeat their own phrasing, so it is the best-accepted
         # source (measured on LongBench QA rows); retrieval branches, pruned, fill the remaining budget.
-        for part in (*own, kept):
+        # Recycled guesses come last: they exist at every step, but are less often right than a long match.
+        recycled = [self.recycling.propose(context, max_nodes)] if self.recycling is not None else []
+        for part in (*own, kept, *recycled):
             tree = fuse(tree, part, max_nodes)
         tree.bucket = match_class(max((t.bucket for t in trees), default=0))
         tree.pruned = pruned
         return tree
 
     def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
-        """Both parts catch up lazily in `propose`."""
+        """Recycle the target's top-k at every node; retrieval and draft catch up lazily in `propose`."""
+        if self.recycling is not None:
+            self.recycling.observe(context, tree, verdict, logits)
 
     def _draft_tree(self, context: list[int], max_nodes: int, retrieved_nodes: int) -> DraftTree:
         """The draft model's tree (root only without one), leaving room for up to half the budget of retrieval."""
