@@ -130,6 +130,37 @@ def pooled_homogeneity(a: np.ndarray, b: np.ndarray, min_count: float = 10.0) ->
     return float(chi2_contingency(table, correction=False).pvalue)
 
 
+@pytest.fixture(scope="session")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """The Serve app on a local Ray: real embedded model, a small real index, an API key.
+
+    Session-scoped: test_serve.py and test_web.py share one app start (the model load dominates).
+    """
+    pytest.importorskip("ray.serve")
+    httpx = pytest.importorskip("httpx")
+    import ray
+    from ray import serve
+
+    from rasd.index import Document, build_index
+    from rasd.pipelines.serve import build_app
+    from tests.serve_helpers import DOCS, KEY, free_port
+
+    index = tmp_path_factory.mktemp("serve") / "index"
+    build_index([Document(text=t, source=f"test:{title}", title=title) for title, t in DOCS], index)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running cluster
+    port = free_port()   # after ray.init: Ray's own processes take ephemeral ports while starting
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = {"index": str(index), "api_key": KEY, "max_batch": 4, "max_waiting": 1, "max_tokens_limit": 512,
+              "threads": 2}
+    serve.run(build_app(config), name="rasd-test", route_prefix="/")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=300)
+    yield {"client": client, "url": f"http://127.0.0.1:{port}", "index": index}
+    client.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Run a tiny-model test with one torch thread, restoring the previous setting afterwards."""

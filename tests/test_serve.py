@@ -8,58 +8,20 @@ the OpenAI error format, the API key, limits (429) and document ingest.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.serve_helpers import DOCS, KEY, QUESTION
+
 pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow
 
-KEY = "test-key"
-DOCS = [
-    ("Bridges", "The Forth Bridge is a cantilever railway bridge across the Firth of Forth in Scotland. It was "
-                "designed by John Fowler and Benjamin Baker and opened in 1890. It is 2,467 metres long."),
-    ("Tea", "Green tea is made from leaves that are not withered and oxidised like black tea. It is brewed at "
-            "about 80 degrees Celsius for two to three minutes."),
-    ("Glaciers", "A glacier is a persistent body of dense ice that moves under its own weight. Glaciers form "
-                 "where snow accumulates faster than it melts over many years."),
-]
-QUESTION = "Who designed the Forth Bridge and when did it open?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import ray
-    from ray import serve
-
-    from rasd.index import Document, build_index
-    from rasd.pipelines.serve import build_app
-
-    index = tmp_path_factory.mktemp("serve") / "index"
-    build_index([Document(text=t, source=f"test:{title}", title=title) for title, t in DOCS], index)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running cluster
-    port = free_port()   # after ray.init: Ray's own processes take ephemeral ports while starting
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    config = {"index": str(index), "api_key": KEY, "max_batch": 4, "max_waiting": 1, "max_tokens_limit": 512,
-              "threads": 2}
-    serve.run(build_app(config), name="rasd-test", route_prefix="/")
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {KEY}"},
-                          timeout=300)
-    yield {"client": client, "url": f"http://127.0.0.1:{port}", "index": index}
-    client.close()
-    serve.shutdown()
-    ray.shutdown()
+# `service` (the app on a local Ray, one per session, shared with test_web.py) is in conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -225,10 +187,11 @@ def test_ingested_documents_are_retrieved_and_durable(service: dict[str, Any]) -
     from rasd.index.store import Index
 
     with Client(service["url"], api_key=KEY) as client:
+        before = Index.open(service["index"]).num_documents   # len(DOCS), more if test_web.py ran first
         added = client.add_documents([{"title": "Quokkas", "text": "The quokka is a small marsupial that lives on "
                                        "Rottnest Island near Perth. Quokkas are nocturnal herbivores."}])
-        assert added["added"] == 1 and added["num_documents"] == len(DOCS) + 1
-        assert Index.open(service["index"]).num_documents == len(DOCS) + 1   # on disk when acknowledged
+        assert added["added"] == 1 and added["num_documents"] == before + 1 >= len(DOCS) + 1
+        assert Index.open(service["index"]).num_documents == before + 1   # on disk when acknowledged
         answer = client.ask("Where do quokkas live?", top_k_sources=1, max_tokens=24)
         assert answer.sources[0]["title"] == "Quokkas"
         with pytest.raises(ApiError) as info:

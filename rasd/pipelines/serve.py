@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from rasd.pipelines.metrics import CONTENT_TYPE
@@ -42,6 +43,7 @@ from rasd.pipelines.openai_api import (
 )
 from rasd.pipelines.serve_cli import API_KEY_ENV
 from rasd.pipelines.service import Prepared, ServeConfig, Service, default_threads
+from rasd.web import SourcedText, static_file
 
 APP_NAME = "rasd"
 OPEN_PATHS = ("/healthz",)
@@ -70,6 +72,20 @@ def _stats_view(output: Any) -> dict[str, Any]:
     return stats
 
 
+def _docqa_stats(output: Any) -> dict[str, Any]:
+    """`_stats_view` plus `committed_by_source`: the sources of the tokens actually returned ("prefill" for
+    the first). It equals `accepted_by_source` (+ prefill 1) unless a stop condition cut the last block:
+    the verifier's counts include the accepted tokens after the stop point, which are never returned."""
+    stats = _stats_view(output)
+    stats["committed_by_source"] = dict(Counter(output.token_sources))
+    return stats
+
+
+def _plain_view(step_s: float | None) -> dict[str, float] | None:
+    """The plain-decoding estimate: one target forward over one token, from the measured cost curve."""
+    return None if not step_s else {"step_s": round(step_s, 6), "tokens_per_s": round(1.0 / step_s, 3)}
+
+
 @serve.deployment(name="RasdServer", max_ongoing_requests=256, health_check_period_s=10)
 @serve.ingress(api)
 class RasdServer:
@@ -79,6 +95,12 @@ class RasdServer:
         self.config = ServeConfig(**config)
         self.service = Service(self.config)
         self.api_key = self.config.api_key or os.environ.get(API_KEY_ENV) or None
+
+    def __del__(self) -> None:
+        """Serve calls this when it shuts a replica down: persist the recycling matrix (hot next start)."""
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.close()
 
     def check_health(self) -> None:
         """Serve restarts the replica when the scheduler thread has died."""
@@ -93,6 +115,21 @@ class RasdServer:
             raise ApiError(401, "missing or wrong API key (send `Authorization: Bearer <key>`)",
                            "authentication_error")
 
+    # ------------------------------------------------------------------ web page (no API key: static files)
+    @api.get("/", response_class=HTMLResponse)
+    async def page(self) -> Response:
+        found = static_file("index.html")
+        if found is None:
+            raise ApiError(404, "the web page is not installed", "not_found_error")
+        return Response(found[0], media_type=found[1])
+
+    @api.get("/static/{name}")
+    async def static(self, name: str) -> Response:
+        found = static_file(name)
+        if found is None:
+            raise ApiError(404, f"no static file {name!r}", "not_found_error")
+        return Response(found[0], media_type=found[1], headers={"Cache-Control": "no-cache"})
+
     # ------------------------------------------------------------------ small endpoints
     @api.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
@@ -106,6 +143,11 @@ class RasdServer:
         self._auth(request)
         return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
                                             "created": int(self.service.started), "owned_by": "rasd"}]}
+
+    @api.get("/v1/info")
+    async def info(self, request: Request) -> dict[str, Any]:
+        self._auth(request)
+        return self.service.info()
 
     @api.get("/metrics")
     async def metrics(self, request: Request) -> Response:
@@ -142,7 +184,7 @@ class RasdServer:
         return {"id": new_id("docqa"), "object": "docqa.answer", "model": self.config.model_name,
                 "answer": (output.text or "").strip(), "finish_reason": FINISH_REASONS[output.finish_reason],
                 "sources": [asdict(s) for s in sources], "usage": usage(len(ids), len(output.token_ids)),
-                "rasd": _stats_view(output)}
+                "rasd": _docqa_stats(output), "plain_decoding": _plain_view(output.plain_step_s)}
 
     @api.post("/v1/documents")
     async def documents(self, body: DocumentsRequest, request: Request) -> dict[str, Any]:
@@ -187,25 +229,32 @@ class RasdServer:
         yield sse("[DONE]")
 
     async def _docqa_stream(self, prepared: Prepared) -> AsyncIterator[str]:
-        """Events: {"sources": [...]} first, then {"delta": text}..., then the final answer object."""
+        """Events: {"sources": [...]} first, then one {"delta": text, "pieces", "token_sources", "plain_decoding"}
+        per committed block, then the final answer object, then [DONE].
+
+        `pieces` split `delta` by the token each character came from (`{"text", "source"}`, concatenating to
+        `delta`); `token_sources` has one entry per committed token (an EOS or text held back for a possible
+        stop string has a source but no text yet), so counting them gives the final `committed_by_source`.
+        """
         yield sse({"sources": [asdict(s) for s in prepared.sources]})
-        text = Detokenizer(self.service.target.tokenizer, prepared.stop)
+        text = SourcedText(self.service.target.tokenizer, prepared.stop)
         start = time.perf_counter()
         try:
-            async for kind, payload in self.service.events(prepared):
+            async for kind, payload in self.service.events(prepared, sourced=True):
                 if kind == "tokens":
-                    delta = text.push(payload)
-                    if delta:
-                        yield sse({"delta": delta})
+                    delta, pieces = text.push(payload.tokens, payload.sources)
+                    yield sse({"delta": delta, "pieces": pieces, "token_sources": payload.sources,
+                               "plain_decoding": _plain_view(payload.plain_step_s)})
                     continue
-                rest = text.finish(payload.text or "")
+                rest, pieces = text.finish(payload.text or "")
                 if rest:
-                    yield sse({"delta": rest})
+                    yield sse({"delta": rest, "pieces": pieces, "token_sources": []})
                 self.service.metrics.record("docqa", payload.stats, time.perf_counter() - start)
                 yield sse({"answer": (payload.text or "").strip(),
                            "finish_reason": FINISH_REASONS[payload.finish_reason],
                            "usage": usage(len(prepared.prompt_ids), len(payload.token_ids)),
-                           "rasd": _stats_view(payload)})
+                           "rasd": _docqa_stats(payload), "accept_lengths": list(payload.stats.accept_lengths),
+                           "plain_decoding": _plain_view(payload.plain_step_s)})
         except ApiError as exc:
             yield sse(exc.body())
         yield sse("[DONE]")

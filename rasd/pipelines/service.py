@@ -19,13 +19,17 @@ from typing import Any
 import torch
 
 from rasd.decoding.control import CostAwareSizer
-from rasd.decoding.engine import GenerationOutput, build_decoder
-from rasd.decoding.proposers import METHODS
+from rasd.decoding.engine import GenerationOutput, build_decoder, vocab_size
+from rasd.decoding.proposers import METHODS, RecyclingMatrix
+from rasd.decoding.proposers.recycling import matrix_path
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.scheduler import Overloaded, Scheduler
 from rasd.pipelines.docqa import RETRIEVAL_METHODS, Source, fit_sources, scope_proposer
 from rasd.pipelines.metrics import ServiceMetrics
 from rasd.pipelines.openai_api import ApiError
+
+RECYCLING_METHODS = ("recycling", "rasd")
+SAVE_RECYCLING_EVERY = 16   # finished requests between saves of the recycling matrix (2.3 MB, atomic)
 
 
 @dataclass
@@ -51,6 +55,15 @@ class ServeConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or ("rasd-" + self.model if self.model == "default" else self.model)
+
+
+@dataclass
+class TokenBlock:
+    """A committed block as `Service.events(..., sourced=True)` hands it out."""
+
+    tokens: list[int]
+    sources: list[str]            # per token: "prefill", a draft source, or "bonus"
+    plain_step_s: float | None    # one plain decoding step at the current context (measured cost curve)
 
 
 @dataclass
@@ -83,6 +96,10 @@ class Service:
         self.metrics = ServiceMetrics(self.scheduler.load)
         self._ingest_lock = threading.Lock()
         self._warm: dict[str, dict[str, Any]] = {}   # method -> what the last finished request's sizer learned
+        # Token Recycling's matrix is shared by every request (hot start) and outlives the process on disk.
+        self.recycling_path = matrix_path(self.target.name)
+        self.recycling = RecyclingMatrix.load_or_new(self.recycling_path, vocab_size(self.target.model))
+        self._finished = 0
         self.started = time.time()
 
     def _open_index(self, path: str) -> Any:
@@ -164,14 +181,19 @@ class Service:
         datastores = self.index.datastores() if (self.index is not None and p.method in RETRIEVAL_METHODS) \
             else None
         extra = {"datastores": datastores} if datastores is not None else {}
+        if p.method in RECYCLING_METHODS:
+            extra["recycling"] = self.recycling
         decoder = build_decoder(self.target, p.method, draft=self.draft, **extra)
         warm_start(decoder.sizer, self._warm.get(p.method))
         if p.sources and self.index is not None:
             scope_proposer(decoder.proposer, self.index, p.sources)
         return decoder.stream(p.prompt_ids, p.max_tokens, p.sampling, self.target.eos_token_ids, p.stop)
 
-    async def events(self, p: Prepared) -> AsyncIterator[tuple[str, Any]]:
-        """("tokens", block)... then ("done", GenerationOutput); the request leaves the batch if abandoned."""
+    async def events(self, p: Prepared, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
+        """("tokens", block)... then ("done", GenerationOutput); the request leaves the batch if abandoned.
+
+        With `sourced`, each block comes as a `TokenBlock` carrying every token's source.
+        """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -185,7 +207,7 @@ class Service:
             raise ApiError(429, f"the service is at capacity: {exc}", "rate_limit_error") from exc
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
-        finished = False
+        finished, seen = False, 0
         try:
             while True:
                 kind, payload = await queue.get()
@@ -195,6 +217,14 @@ class Service:
                 finished = kind == "done"
                 if finished:
                     self._warm[p.method] = sizer_state(stream.decoder.sizer)
+                    self._finished += 1
+                    if self._finished % SAVE_RECYCLING_EVERY == 0:
+                        await asyncio.to_thread(self.save_recycling)
+                if sourced and kind == "tokens":
+                    # token_sources only grows, and a block's sources are appended before it is handed out
+                    sources = stream.token_sources[seen: seen + len(payload)]
+                    seen += len(payload)
+                    payload = TokenBlock(list(payload), sources, stream.plain_step_s)
                 yield kind, payload
                 if finished:
                     return
@@ -202,12 +232,25 @@ class Service:
             if not finished:
                 self.scheduler.cancel(ticket)
 
+    def save_recycling(self) -> None:
+        """Persist the recycling matrix (atomic: a crash mid-save keeps the previous file)."""
+        self.recycling.save(self.recycling_path)
+
     async def run(self, p: Prepared) -> GenerationOutput:
         """Decode to completion (non-streaming requests)."""
         async for kind, payload in self.events(p):
             if kind == "done":
                 return payload
         raise ApiError(500, "decoding ended without a result", "server_error")
+
+    def info(self) -> dict[str, Any]:
+        """What the web page shows about this service."""
+        index = self.index
+        return {"model": self.config.model_name, "method": self.config.method,
+                "docqa_method": self.config.docqa_method, "methods": list(METHODS),
+                "max_tokens_limit": self.config.max_tokens_limit,
+                "index": None if index is None else {"num_documents": index.num_documents,
+                                                     "num_chunks": index.num_chunks}}
 
     # ------------------------------------------------------------------ documents
     def add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -227,7 +270,12 @@ class Service:
                 "num_chunks": index.num_chunks}
 
     def close(self) -> None:
+        """Replica shutdown: stop the scheduler, keep what was recycled for the next start."""
         self.scheduler.close()
+        try:
+            self.save_recycling()
+        except OSError:
+            pass   # a read-only home must not turn a clean shutdown into a crash
 
 
 def default_threads() -> int:
