@@ -24,6 +24,8 @@ def register(subparsers: Any) -> Any:
     p.add_argument("--max-waiting", type=int, default=16, help="queued requests beyond the batch (then 429)")
     p.add_argument("--max-tokens-limit", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads of the replica (default: all cores)")
+    p.add_argument("--retrieval-shards", type=int, default=0,
+                   help="serve the index from this many RetrievalShard actors (by segment; 0 = in the replica)")
     p.add_argument("--detach", action="store_true",
                    help="deploy on a local Ray cluster (started if needed) and return; `rasd serve --stop` ends it")
     p.add_argument("--stop", action="store_true", help="shut down a detached service and its local Ray cluster")

@@ -47,6 +47,7 @@ class ServeConfig:
     max_waiting: int = 16                 # queued beyond the batch; more gets 429
     max_tokens_limit: int = 1024          # the largest max_tokens a request may ask for
     max_prompt_tokens: int | None = None  # default: the model's context minus room for one token
+    retrieval_shards: int = 0             # > 0: the index is served by this many RetrievalShard actors
     api_key: str | None = None
     threads: int | None = None            # torch threads in the replica (Ray sets OMP_NUM_THREADS=1)
     served_model_name: str | None = None
@@ -105,8 +106,13 @@ class Service:
     def _open_index(self, path: str) -> Any:
         from rasd.index.store import Index, check_tokenizer
 
-        index = Index.open(path)
-        check_tokenizer(index, self.target)
+        if self.config.retrieval_shards > 0:
+            from rasd.distributed.retrieval import ShardedIndex
+
+            index: Any = ShardedIndex(path, self.config.retrieval_shards)
+        else:
+            index = Index.open(path)
+        check_tokenizer(index.manifest, self.target)
         return index
 
     # ------------------------------------------------------------------ validation
@@ -163,12 +169,22 @@ class Service:
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         return [int(t) for t in ids]
 
+    def _search(self, question: str, top_k: int) -> list[Any]:
+        """Vector search; a retrieval shard that is down (and not back in time) is a 503, not a crash."""
+        try:
+            return self.index.search(question, k=top_k)
+        except Exception as exc:       # Ray's actor errors when the index is sharded
+            if type(exc).__module__.startswith("ray"):
+                raise ApiError(503, f"the retrieval index is unavailable: {type(exc).__name__}",
+                               "service_unavailable") from exc
+            raise
+
     def docqa_prompt(self, question: str, top_k: int, max_tokens: int | None) -> tuple[list[int], list[Source]]:
         if self.index is None:
             raise ApiError(400, "this service has no index; start it with --index", param="question")
         if not question.strip():
             raise ApiError(400, "the question is empty", param="question")
-        hits = self.index.search(question, k=top_k)
+        hits = self._search(question, top_k)
         sources = [Source.from_hit(h) for h in hits]
         budget = self.target.max_context - (max_tokens or 256) - 1
         try:
@@ -265,6 +281,9 @@ class Service:
         with self._ingest_lock:
             before = self.index.num_documents
             index = add_documents(self.index.root, documents, model=self.config.model)
+            if hasattr(self.index, "refresh"):      # sharded: the shards reopen the new committed state
+                self.index.refresh()
+                index = self.index
             self.index = index
         return {"added": index.num_documents - before, "num_documents": index.num_documents,
                 "num_chunks": index.num_chunks}
