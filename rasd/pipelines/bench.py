@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -276,6 +277,12 @@ class RunRecord:
     mean_accepted_tokens: float | None = None
     accept_lengths: list[int] | None = None
     accepted_by_source: dict[str, int] = field(default_factory=dict)
+    # Per-step detail for `--report` (our engine only; None for HF): draft nodes verified, depth of the
+    # verified tree, and the prompt length (with the accept lengths it gives each step's context length).
+    tree_sizes: list[int] | None = None
+    tree_depths: list[int] | None = None
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
 
     @property
     def new_tokens(self) -> int:
@@ -446,6 +453,9 @@ class EngineRunner:
         self.sampling = sampling
         self.eos_ids = set(target.eos_token_ids)
         self.decoder = build_decoder(target, name, draft=draft)
+        self.curves: dict[str, Any] = {}       # cost curves the sizer used, by key (for the report)
+        self.tree_depths: list[int] = []
+        _record_tree_depths(self.decoder, self.tree_depths)
 
     def prepare(self, prompts: Sequence[BenchPrompt], max_new_tokens: int) -> None:
         """Load (or measure, once per context bucket) every cost curve the prompts will need, now.
@@ -456,10 +466,13 @@ class EngineRunner:
         curve_for = getattr(getattr(self.decoder, "sizer", None), "curve_for", None)
         if not callable(curve_for):
             return
+        curves = self.__dict__.setdefault("curves", {})
         for prompt in prompts:
             start = len(prompt.input_ids)
             for context_len in range(start, start + max_new_tokens + 1):
-                curve_for(context_len)
+                curve = curve_for(context_len)
+                if getattr(curve, "key", None) is not None:
+                    curves[curve.key] = curve
 
     def bind(self, prompt: BenchPrompt) -> None:
         """Point a retrieval proposer at this prompt's datastores and retrieved documents (untimed)."""
@@ -476,6 +489,7 @@ class EngineRunner:
 
         params = SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                 top_k=self.sampling.top_k, seed=seed)
+        self.tree_depths.clear()
         _sync(self.target.device)
         start = time.perf_counter()
         out = self.decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, sampling=params,
@@ -490,7 +504,28 @@ class EngineRunner:
                          decode_tokens=max(len(token_ids) - 1, 0), steps=stats.steps,
                          mean_accepted_tokens=stats.mean_accepted_tokens,
                          accept_lengths=list(stats.accept_lengths),
-                         accepted_by_source=dict(stats.accepted_by_source))
+                         accepted_by_source=dict(stats.accepted_by_source),
+                         tree_sizes=list(stats.tree_sizes),
+                         tree_depths=list(self.tree_depths) if len(self.tree_depths) == stats.steps else None,
+                         drafted_by_source=dict(stats.drafted_by_source))
+
+
+def _record_tree_depths(decoder: Any, depths: list[int]) -> None:
+    """Note the depth of every verified tree into `depths` (DecodeStats keeps sizes, not depths).
+
+    The engine hands each verified tree to `sizer.observe` once per step, right after recording the step,
+    so wrapping this decoder's own sizer instance is enough; nothing else about it changes.
+    """
+    sizer = getattr(decoder, "sizer", None)
+    observe = getattr(sizer, "observe", None)
+    if not callable(observe):
+        return
+
+    def observe_and_record(tree: Any, *args: Any, **kwargs: Any) -> Any:
+        depths.append(max(tree.depths()) if len(tree) > 1 else 0)
+        return observe(tree, *args, **kwargs)
+
+    sizer.observe = observe_and_record
 
 
 def make_runner(name: str, target: LoadedModel, sampling: SamplingConfig,
@@ -527,6 +562,7 @@ def run_prompts(runners: Sequence[Runner], prompts: Sequence[BenchPrompt], max_n
             _bind(runner, prompt)
             record = runner.run(prompt.input_ids, max_new_tokens, sampling.prompt_seed(prompt.index))
             record.method, record.index = runner.name, prompt.index
+            record.prompt_tokens = len(prompt.input_ids)
             record.question_id, record.category = prompt.item.question_id, prompt.item.category
             records.append(record)
     return records
@@ -653,7 +689,64 @@ def build_results(meta: dict[str, Any], records: Sequence[RunRecord], methods: S
     results.update({k: v for k, v in meta.items() if k not in results})
     results["greedy_reference"] = greedy_reference(methods, greedy)
     results["methods"] = aggregate(records, methods, greedy)
+    results["step_stats"] = {name: step_stats([r for r in records if r.method == name]) for name in methods}
     return results
+
+
+def step_stats(records: Sequence[RunRecord]) -> dict[str, Any]:
+    """Per-step detail of one method over all its prompts, for `--report` (a separate key of results.json).
+
+    - `accept_length_hist`: steps by tokens committed (bonus included);
+    - `position_acceptance`: for draft depth d = 1, 2, ...: `reached` steps whose verified tree had depth
+      >= d, `accepted` steps that accepted the token at depth d (needs per-step tree depths: our engine);
+    - `accepted_by_source` / `drafted_by_source`: token counts summed over prompts;
+    - `tree_tokens_by_bucket`: verified tree size in tokens (root included, as on the cost curve) per
+      step, counted per cost-curve context bucket of that step's context length.
+    """
+    lengths = [n for r in records for n in (r.accept_lengths or [])]
+    out: dict[str, Any] = {"steps": len(lengths),
+                           "accept_length_hist": _counts(lengths),
+                           "accepted_by_source": _sum_counts(r.accepted_by_source for r in records),
+                           "drafted_by_source": _sum_counts(r.drafted_by_source for r in records),
+                           "position_acceptance": None, "tree_tokens_by_bucket": None}
+    with_depths = [r for r in records if r.accept_lengths and r.tree_depths
+                   and len(r.tree_depths) == len(r.accept_lengths)]
+    pairs = [(a, d) for r in with_depths for a, d in zip(r.accept_lengths, r.tree_depths, strict=True)]
+    if pairs:
+        deepest = max(d for _, d in pairs)
+        out["position_acceptance"] = [{"depth": d, "reached": sum(depth >= d for _, depth in pairs),
+                                       "accepted": sum(acc - 1 >= d for acc, _ in pairs)}
+                                      for d in range(1, deepest + 1)]
+    sized = [r for r in records if r.tree_sizes and r.accept_lengths and len(r.tree_sizes) == len(r.accept_lengths)]
+    if sized:
+        from rasd.decoding.cost import context_bucket
+
+        buckets: dict[str, dict[str, int]] = {}
+        for r in sized:
+            context = r.prompt_tokens + 1          # the prompt plus the first new token from prefill
+            for size, accepted in zip(r.tree_sizes, r.accept_lengths, strict=True):
+                hist = buckets.setdefault(str(context_bucket(context)), {})
+                hist[str(size + 1)] = hist.get(str(size + 1), 0) + 1
+                context += accepted
+        out["tree_tokens_by_bucket"] = {b: dict(sorted(h.items(), key=lambda kv: int(kv[0])))
+                                        for b, h in sorted(buckets.items(), key=lambda kv: int(kv[0]))}
+    return out
+
+
+def _counts(values: Sequence[int]) -> dict[str, int]:
+    """{value: count} with string keys (JSON), in increasing order of value."""
+    hist: dict[int, int] = {}
+    for v in values:
+        hist[v] = hist.get(v, 0) + 1
+    return {str(k): hist[k] for k in sorted(hist)}
+
+
+def _sum_counts(dicts: Any) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for d in dicts:
+        for key, n in (d or {}).items():
+            total[key] = total.get(key, 0) + int(n)
+    return dict(sorted(total.items()))
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -784,12 +877,27 @@ def run_benchmark(target: LoadedModel, prompts: Sequence[BenchPrompt], config: B
     records = run_prompts(runners, prompts, config.max_new_tokens, config.sampling, config.warmup,
                           config.progress)
     base_meta = {"model": target.name, "device": target.device, "dtype": target.dtype,
+                 "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                  "torch_threads": torch.get_num_threads(), "max_new_tokens": config.max_new_tokens,
                  "draft_model": draft.name if draft is not None else None,
                  "temperature": config.sampling.temperature, "top_p": config.sampling.top_p,
                  "top_k": config.sampling.top_k, "seed": config.sampling.seed, "num_prompts": len(prompts)}
     base_meta.update(meta or {})
-    return build_results(base_meta, records, config.methods, config.sampling.greedy), records
+    results = build_results(base_meta, records, config.methods, config.sampling.greedy)
+    results["cost_curves"] = _used_curves(runners)
+    return results, records
+
+
+def _used_curves(runners: Sequence[Runner]) -> list[dict[str, Any]]:
+    """The measured cost curves the runners' sizers used, once each, with the methods that used them."""
+    curves: dict[str, dict[str, Any]] = {}
+    for runner in runners:
+        for key, curve in getattr(runner, "curves", {}).items():
+            entry = curves.setdefault(key, {"key": key, "context_len": curve.context_len,
+                                            "sizes": list(curve.sizes), "latency_s": list(curve.latency_s),
+                                            "methods": []})
+            entry["methods"].append(runner.name)
+    return sorted(curves.values(), key=lambda c: c["context_len"])
 
 
 def parse_methods(text: str) -> list[str]:
@@ -832,6 +940,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write results.json here")
     parser.add_argument("--plot", default=None, help="write a PNG of speedups here")
     parser.add_argument("--answers", default=None, help="write Spec-Bench-style answers JSONL here")
+    parser.add_argument("--report", default=None, metavar="DIR",
+                        help="write a report (report.md, report.html, PNG plots) into this folder")
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -918,6 +1028,11 @@ def _write_outputs(args: argparse.Namespace, results: dict[str, Any], records: S
     if args.plot:
         plot_speedups(results, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
+    if getattr(args, "report", None):
+        from rasd.pipelines.report import write_report
+
+        write_report(results, args.report)
+        print(f"report: {Path(args.report) / 'report.md'}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
