@@ -1,4 +1,4 @@
-"""The `rasd` command: `rasd generate` and `rasd bench` (more subcommands arrive with later issues).
+"""The `rasd` command: `rasd generate`, `rasd bench`, `rasd train {eesd,ldlp}` and the service commands.
 
 Errors a person can fix (unknown method, missing model, empty or too-long prompt) print one line on stderr
 and exit with status 2; nothing else is printed.
@@ -34,7 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     docqa.register(sub)
     serve_cli.register(sub)
     load.register(sub)
+    _add_train(sub)
     return parser
+
+
+def _add_train(sub: Any) -> None:
+    """`rasd train {eesd,ldlp}`: the learned parts of the self-draft and of AdaEAGLE's length predictor."""
+    from rasd.train import eesd, ldlp
+
+    p = sub.add_parser("train", help="train EESD's exit layer or AdaEAGLE's draft length predictor")
+    what = p.add_subparsers(dest="what", required=True)
+    eesd.add_parser(what)
+    ldlp.add_parser(what)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +89,8 @@ def _add_generate(sub: Any) -> None:
                    help="tree/draft-length policy: measured cost model (default), a fixed node budget, HF's "
                         "heuristic schedule, a confidence threshold, Thompson sampling (EESD); ldlp needs "
                         "`rasd train ldlp`")
+    p.add_argument("--eesd", default=None, help="EESD exit layer (default $RASD_HOME/eesd/<model>.safetensors)")
+    p.add_argument("--ldlp", default=None, help="LDLP for adaeagle / --sizing ldlp (default under $RASD_HOME/ldlp/)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=run_generate)
 
@@ -129,13 +142,33 @@ def validate_method(method: str, draft_model: str | None) -> None:
         raise CliError(f"method {method!r} needs --draft-model (a small model sharing the target's tokenizer)")
 
 
+def check_trained(method: str, model: str, sizing: str, draft_model: str | None, eesd: str | None = None,
+                  ldlp: str | None = None) -> None:
+    """Fail before loading any model when `eesd` / `adaeagle` / `--sizing ldlp` lack trained weights."""
+    from rasd.decoding.ldlp import ldlp_path
+    from rasd.decoding.proposers.early_exit import eesd_path
+
+    self_draft = method == "eesd" or (method == "adaeagle" and not draft_model)
+    if self_draft:
+        file = Path(eesd) if eesd else eesd_path(model)
+        if not file.exists():
+            raise CliError(f"method {method!r} needs a trained EESD exit layer ({file} is missing): run "
+                           f"`rasd train eesd --model {model} --data builtin` (or pass --eesd PATH)")
+    if method == "adaeagle" or sizing == "ldlp":
+        drafter = "eesd" if self_draft else "draft-model"
+        file = Path(ldlp) if ldlp else ldlp_path(model, drafter)
+        if not file.exists():
+            raise CliError(f"{'method adaeagle' if method == 'adaeagle' else 'sizing ldlp'} needs a trained LDLP "
+                           f"({file} is missing): run `rasd train ldlp --model {model} --drafter "
+                           f"{'eesd' if self_draft else 'PATH'}` (or pass --ldlp PATH)")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Generate, streaming text to stdout (or one JSON object with --json), statistics on stderr."""
     from rasd.decoding.engine import build_decoder
 
     validate_method(args.method, args.draft_model)
-    if args.sizing == "ldlp":   # fail before loading any model
-        raise CliError("sizing 'ldlp' needs a trained LDLP: run `rasd train ldlp`")
+    check_trained(args.method, args.model, args.sizing, args.draft_model, args.eesd, args.ldlp)
     text = read_prompt(args)
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1")
@@ -144,7 +177,11 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt_ids = encode_prompt(target.tokenizer, text, args.chat)
     if len(prompt_ids) + 1 > target.max_context:
         raise CliError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context}")
-    decoder = build_decoder(target, args.method, draft=draft, sizing=args.sizing)
+    options = {k: v for k, v in (("eesd", args.eesd), ("ldlp", args.ldlp)) if v}
+    try:
+        decoder = build_decoder(target, args.method, draft=draft, sizing=args.sizing, **options)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
     printer = None if args.json else TextPrinter(target.tokenizer)
     out = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                            eos_token_ids=target.eos_token_ids, stop=args.stop,

@@ -26,7 +26,10 @@ verify_s)` (learn from the verdict), and `make_sizer` picks one by name (`SIZING
   sample θ̃ ~ Beta(α, β) and go one level deeper while θ̃^d (the sampled chance that a depth-d token is
   reached and accepted) is worth its cost `min_gain`, up to a hard cap; after the verification α += the
   accepted tokens and β += 1 when a drafted token was rejected.
-- `ldlp` (AdaEAGLE's length predictor) is reserved: it needs a trained predictor.
+- `ldlp` (AdaEAGLE): the trained Lightweight Draft Length Predictor (`rasd.decoding.ldlp`, trained by
+  `rasd train ldlp`) predicts k from the target's embedding of the root and its final-norm hidden state at
+  the last accepted position; nodes are kept while no ancestor's draft step would have stopped under
+  AdaEAGLE-DDD (step >= k and cumulative draft log-prob < -0.6), up to k_max.
 
 Exactness under sampling: a depth limit that does not look at the current step's tokens keeps every node
 sampled from q with the chain it was drawn in (it is just a shorter draft), so it stays exact. A score cut
@@ -343,6 +346,28 @@ class ThompsonSizer:
         self.beta = b0 + (self.beta - b0) * self.decay + (0.0 if ended_at_leaf(tree, accepted) else 1.0)
 
 
+class LDLPSizer:
+    """AdaEAGLE's LDLP + DDD as a cut on any proposed tree (the decision logic lives in `LDLPController`).
+
+    A sampled node is decided by its ancestors' scores only (DDD's stop after a token never looks at the
+    next one), so sampled chains stay exact.
+    """
+
+    def __init__(self, controller: Any, max_nodes: int = 64):
+        self.controller, self.max_nodes = controller, max_nodes
+
+    def budget(self, context_len: int) -> int:
+        return self.max_nodes
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        return self.controller.cut(tree).top_nodes(self.max_nodes)
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """Take the hidden state of the last accepted node for the next prediction."""
+        self.controller.observe(tree, accepted)
+
+
 SIZINGS = ("cost", "fixed", "heuristic", "threshold", "thompson", "ldlp")
 
 
@@ -362,5 +387,12 @@ def make_sizer(name: str, max_nodes: int = 64, curve_for: Callable[[int], CostCu
     if name == "thompson":
         return ThompsonSizer(max_nodes, **options)
     if name == "ldlp":
-        raise ValueError("sizing 'ldlp' needs a trained LDLP: run `rasd train ldlp`")
+        if "controller" in options:
+            return LDLPSizer(options["controller"], max_nodes)
+        if options.get("target") is None:
+            raise ValueError("sizing 'ldlp' needs the target model and a trained LDLP (`rasd train ldlp`)")
+        from rasd.decoding.ldlp import load_controller
+
+        return LDLPSizer(load_controller(options["target"], options.get("path"), options.get("model_name", "default"),
+                                         options.get("drafter", "eesd")), max_nodes)
     raise ValueError(f"unknown sizing {name!r}; choose one of {', '.join(SIZINGS)}")

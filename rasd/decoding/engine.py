@@ -257,20 +257,34 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
 
     `sizing` names the tree-size policy (`control.SIZINGS`): `cost` (default) against the target's measured
     cost curve, `fixed` (keeps up to `max_nodes` nodes by proposer score, no cost model), `heuristic`,
-    `threshold` or `thompson`; `ldlp` needs a trained predictor. With `cost`, `optree`'s δ is the ratio of a
-    measured draft forward to the curve's plain step (see `rasd.decoding.trees`). `datastores`
-    (token suffix arrays) feed the `retrieval` and `rasd` methods; other methods ignore them. `recycling` and
-    `rasd` read the target's Token Recycling matrix: pass a shared one (`recycling=`) to keep what earlier
-    requests recycled (hot start); otherwise this decoder gets its own, empty one.
+    `threshold`, `thompson` or `ldlp` (a trained predictor: option `ldlp=` or $RASD_HOME/ldlp/). `eesd` and
+    `adaeagle` draft with the target's own first layers + a trained exit layer (option `eesd=` or
+    $RASD_HOME/eesd/<model>.safetensors) and decide their draft length themselves (Thompson; LDLP + DDD).
+    With `cost`, `optree`'s δ is the ratio of a measured draft forward to the curve's plain step (see
+    `rasd.decoding.trees`). `datastores` (token suffix arrays) feed the `retrieval` and `rasd` methods; other
+    methods ignore them. `recycling` and `rasd` read the target's Token Recycling matrix: pass a shared one
+    (`recycling=`) to keep what earlier requests recycled (hot start); otherwise this decoder gets its own,
+    empty one.
     """
     if method in ("recycling", "rasd"):
         proposer_options.setdefault("recycling", RecyclingMatrix(vocab_size(target.model)))
     curve_for = _curve_provider(target)   # lazy: nothing is measured unless a policy asks for the curve
     if method == "optree" and sizing == "cost":
         proposer_options.setdefault("target_step_s", lambda context_len: curve_for(context_len).latency(1))
+    if method in ("eesd", "adaeagle"):   # self-drafts: the target's own layers + trained weights
+        proposer_options.setdefault("target_model", target.model)
+        proposer_options.setdefault("model_name", target.name)
+    sizer_options: dict[str, Any] = {}
+    if sizing == "ldlp":
+        sizer_options = {"target": target.model, "model_name": target.name,
+                         "path": (proposer_options.get("ldlp") if method == "adaeagle"
+                                  else proposer_options.pop("ldlp", None)),
+                         "drafter": "eesd" if method == "eesd" or (method == "adaeagle" and draft is None)
+                         else "draft-model"}
     proposer = make_proposer(method, draft_model=None if draft is None else draft.model, datastores=datastores,
                              **proposer_options)
-    sizer: Sizer = FixedSizer(0) if method == "ar" else make_sizer(sizing, max_nodes, curve_for=curve_for)
+    sizer: Sizer = (FixedSizer(0) if method == "ar"
+                    else make_sizer(sizing, max_nodes, curve_for=curve_for, **sizer_options))
     return SpeculativeDecoder(target.model, proposer, tokenizer=target.tokenizer, sizer=sizer,
                               max_context=target.max_context, method=method)
 

@@ -1,0 +1,209 @@
+"""`eesd` and `adaeagle`: chain drafts whose length a policy decides before and during drafting.
+
+EESD (arXiv 2406.03853) drafts with the target's own first N layers, one trained exit decoder layer (same
+architecture as a target layer, initialised from layer N, trained by `rasd train eesd`) and the target's
+final norm and LM head. `early_exit_model` builds that draft as an ordinary HF causal LM whose modules ARE
+the target's (no weight copies, except the final norm: a 1-vector copy, so that a hook on the target's norm
+(AdaEAGLE's tap) does not fire on draft forwards). It keeps its own small KV cache of N + 1 layers, driven
+exactly like a separate draft model (`DraftModelProposer`): sharing the target's cache for the first N
+layers would save the draft's catch-up forward over newly committed tokens (one short forward per step), but
+the target's cache also holds tree entries until compaction; correctness first.
+
+Draft length: `eesd` samples it by Thompson sampling (`control.ThompsonSizer.sample_depth`: a Beta(α, β)
+posterior on per-token acceptance, sampled level by level, hard cap; α/β updated from each verdict).
+`adaeagle` predicts k with the LDLP and stops by AdaEAGLE-DDD (`rasd.decoding.ldlp`). Greedy: a chain of
+argmax tokens. Sampling: a chain drawn from the draft's warped q with q attached to every node, so the
+verifier applies the exact residual rule; the stop rule only looks at tokens already drawn.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from rasd.decoding.control import ThompsonSizer
+from rasd.decoding.proposers.draft import DraftModelProposer
+from rasd.decoding.sampling import SamplingParams, target_probs
+from rasd.decoding.tree import DraftTree
+from rasd.decoding.verify import Verdict
+
+FORMAT = "rasd-eesd-1"
+
+
+class LengthPolicy(Protocol):
+    """How long a chain to draft: `limit` before drafting, `stop` after each token, `observe` the verdict."""
+
+    def start(self) -> None: ...
+
+    def limit(self, context: list[int]) -> int: ...
+
+    def stop(self, step: int, cum_logprob: float) -> bool: ...
+
+    def observe(self, tree: DraftTree, accepted: list[int]) -> None: ...
+
+
+class ThompsonLength:
+    """EESD's Thompson-sampled draft length: the same `ThompsonSizer`, used before drafting."""
+
+    def __init__(self, sizer: ThompsonSizer | None = None):
+        self.sizer = sizer or ThompsonSizer(min_depth=1, max_depth=10)
+
+    def start(self) -> None:
+        """The posterior carries over between requests (same model, same text kind)."""
+
+    def limit(self, context: list[int]) -> int:
+        return self.sizer.sample_depth()
+
+    def stop(self, step: int, cum_logprob: float) -> bool:
+        return False
+
+    def observe(self, tree: DraftTree, accepted: list[int]) -> None:
+        self.sizer.observe(tree, accepted, 0.0)
+
+
+def default_layers(num_layers: int) -> int:
+    """EESD's N: a third of the target's layers (10 of SmolLM2-135M's 30), at least 1."""
+    return max(1, num_layers // 3)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return model.get_decoder().layers
+
+
+def new_exit_layer(target: nn.Module, layers: int) -> nn.Module:
+    """A trainable copy of target layer `layers` (its cache slot is `layers` in the N + 1-layer draft)."""
+    layer = copy.deepcopy(decoder_layers(target)[layers])
+    layer.self_attn.layer_idx = layers
+    return layer
+
+
+def early_exit_model(target: nn.Module, exit_layer: nn.Module, layers: int) -> nn.Module:
+    """An HF causal LM = target layers [:N] + `exit_layer` + a copy of the final norm + the target's LM head."""
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers + 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types[: layers + 1])
+    with torch.device("meta"):
+        draft = type(target)(config)
+    base, inner = target.get_decoder(), draft.get_decoder()
+    inner.embed_tokens = base.embed_tokens
+    inner.layers = nn.ModuleList([*base.layers[:layers], exit_layer])
+    inner.norm = copy.deepcopy(base.norm)
+    inner.rotary_emb = base.rotary_emb
+    draft.lm_head = target.lm_head
+    draft.generation_config = target.generation_config
+    leftovers = [n for n, p in [*draft.named_parameters(), *draft.named_buffers()] if p.is_meta]
+    if leftovers:
+        raise ValueError(f"early-exit draft of {type(target).__name__}: unshared modules {leftovers[:3]}")
+    return draft.eval()
+
+
+def eesd_path(model_name: str) -> Path:
+    """Default exit-layer weights: $RASD_HOME/eesd/<model>.safetensors."""
+    from rasd.decoding.ldlp import slug
+    from rasd.decoding.models import rasd_home
+
+    return rasd_home() / "eesd" / f"{slug(model_name)}.safetensors"
+
+
+def save_exit_layer(path: Path, layer: nn.Module, layers: int, extra: dict[str, Any] | None = None) -> None:
+    """Safetensors of the exit layer's weights, with N and the config in the metadata (atomic rename)."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    meta = {"format": FORMAT, "layers": layers, **(extra or {})}
+    save_file({k: v.detach().contiguous().cpu() for k, v in layer.state_dict().items()}, str(tmp),
+              metadata={"rasd": json.dumps(meta)})
+    tmp.replace(path)
+
+
+def load_early_exit(target: nn.Module, path: Path | str | None, model_name: str = "default") -> nn.Module:
+    """The EESD draft for `target` from trained exit weights; a one-line error saying how to train them."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    file = Path(path) if path else eesd_path(model_name)
+    if not file.exists():
+        raise ValueError(f"no trained EESD exit layer at {file}: run `rasd train eesd --model {model_name} "
+                         f"--data builtin` (or pass --eesd PATH)")
+    with safe_open(str(file), framework="pt") as fh:
+        meta = json.loads((fh.metadata() or {}).get("rasd", "{}"))
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{file} is not an exit layer written by `rasd train eesd`")
+    layers = int(meta["layers"])
+    if not 0 < layers < len(decoder_layers(target)):
+        raise ValueError(f"{file} was trained for N={layers} layers; the target has {len(decoder_layers(target))}")
+    exit_layer = new_exit_layer(target, layers)
+    param = next(target.parameters())
+    state = {k: v.to(param.device, param.dtype) for k, v in load_file(str(file)).items()}
+    exit_layer.load_state_dict(state)
+    return early_exit_model(target, exit_layer, layers)
+
+
+class LengthControlledProposer(DraftModelProposer):
+    """A chain drafted by any draft LM, its length decided by a `LengthPolicy` (eesd, adaeagle)."""
+
+    def __init__(self, model: nn.Module, length: LengthPolicy, name: str, seed: int = 0):
+        super().__init__(model, max_depth=1, top_k=1, width=1, min_prob=0.0, seed=seed)
+        self.length, self.name = length, name
+        self.source = name
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        super().start(prompt_ids, sampling)
+        self.length.start()
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], max_nodes: int) -> DraftTree:
+        limit = min(self.length.limit(context), max_nodes)   # before any draft forward (the LDLP reads the tap)
+        logits = self._sync(context)                         # [vocab] at the root
+        tree = DraftTree.root_only(context[-1])
+        node, cum = 0, 0.0
+        for step in range(limit):
+            if step and self.length.stop(step, cum):
+                break
+            if self.sampling.greedy:
+                probs = logits.softmax(-1)
+                tok = int(probs.argmax())
+                q = None
+            else:
+                q = target_probs(logits, self.sampling)       # [vocab]
+                probs = q
+                tok = int(torch.multinomial(q, 1, generator=self.gen).item())
+            cum += math.log(max(float(probs[tok]), 1e-30))
+            node = tree.add(node, tok, self.source, math.exp(cum))
+            if q is not None:
+                tree.q[node] = q
+            if step + 1 < limit:
+                logits = self._forward_nodes(tree, node, len(context))[0]
+        self.cache.crop(-(self.cache.get_seq_length() - len(self.cached)))
+        return tree
+
+    def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
+        self.length.observe(tree, verdict.accepted)
+
+
+def make_eesd(target: nn.Module, eesd: str | Path | None = None, model_name: str = "default",
+              max_depth: int = 10, seed: int = 0, **_: Any) -> LengthControlledProposer:
+    """Method `eesd`: the self-draft with a Thompson-sampled length (hard cap `max_depth`)."""
+    draft = load_early_exit(target, eesd, model_name)
+    return LengthControlledProposer(draft, ThompsonLength(ThompsonSizer(max_depth=max_depth, seed=seed)), "eesd",
+                                    seed=seed)
+
+
+def make_adaeagle(target: nn.Module, draft_model: nn.Module | None = None, eesd: str | Path | None = None,
+                  ldlp: str | Path | None = None, model_name: str = "default", seed: int = 0,
+                  **_: Any) -> LengthControlledProposer:
+    """Method `adaeagle`: `draft_model` if given, else the EESD self-draft; length from LDLP + DDD."""
+    from rasd.decoding.ldlp import load_controller
+
+    drafter = "draft-model" if draft_model is not None else "eesd"
+    controller = load_controller(target, ldlp, model_name, drafter)
+    draft = draft_model if draft_model is not None else load_early_exit(target, eesd, model_name)
+    return LengthControlledProposer(draft, controller, "adaeagle", seed=seed)

@@ -1,0 +1,156 @@
+"""Shared by the trainers: prompts from a data file, the target's own continuations, one teacher forward."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from rasd.decoding.ldlp import FinalNormTap
+
+BUILTIN = "builtin"
+
+
+def _json_lines(path: Path) -> Iterator[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _prompt_of(row: dict) -> str | None:
+    """The first user turn of a Spec-Bench / MT-bench (`turns`), ShareGPT (`conversations`) or plain row."""
+    if row.get("turns"):
+        return str(row["turns"][0])
+    for turn in row.get("conversations") or []:
+        if turn.get("from") in ("human", "user"):
+            return str(turn.get("value", ""))
+    for key in ("prompt", "question", "instruction", "input", "text"):
+        if row.get(key):
+            return str(row[key])
+    return None
+
+
+def load_prompts(data: str, limit: int | None = None) -> list[str]:
+    """Prompts from a JSONL(.gz) file, or `builtin`: requests about CPython's language reference (offline)."""
+    prompts: list[str] = []
+    if data == BUILTIN:
+        from pydoc_data.topics import topics
+
+        for key in sorted(topics):
+            for para in topics[key].split("\n\n"):
+                para = " ".join(para.split())
+                if len(para) > 120:
+                    prompts.append(f"Explain this passage of the Python reference in simple words:\n\n{para[:600]}")
+    else:
+        path = Path(data)
+        if not path.exists():
+            raise ValueError(f"data file {path} does not exist (or pass --data builtin)")
+        prompts = [p for p in (_prompt_of(row) for row in _json_lines(path)) if p and p.strip()]
+    if not prompts:
+        raise ValueError(f"no prompts found in {data}")
+    return prompts[:limit] if limit else prompts
+
+
+def prompt_windows(tokenizer: Any, prompts: list[str], length: int, chat: bool = True) -> torch.Tensor:
+    """[K, length] token ids: each prompt through the chat template, its last `length` tokens.
+
+    Fixed-length windows need no padding, so generation, the teacher forward and training all see exactly
+    the positions and attention that decoding sees. Prompts shorter than `length` are skipped.
+    """
+    rows = []
+    for text in prompts:
+        if chat and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(text)["input_ids"]
+        ids = list(ids)
+        if len(ids) >= length:
+            rows.append(ids[-length:])
+    if not rows:
+        raise ValueError(f"no prompt has {length} tokens")
+    return torch.tensor(rows, dtype=torch.long)
+
+
+@dataclass
+class SelfGenerated:
+    """The target's greedy continuations and what one teacher-forced forward over them gives.
+
+    tokens [K, T] (prompt P + generated G); valid [K, T] (False after the first EOS); layer_hidden [K, T, H]
+    (input of decoder layer `layer`, fp16) when asked; final_hidden [K, T, H] (final-norm output, fp16) when
+    asked; teacher_logp / teacher_ids [K, G, top] (top log-probs of the target at positions P-1 .. T-2).
+    """
+
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    prompt_len: int
+    layer_hidden: torch.Tensor | None = None
+    final_hidden: torch.Tensor | None = None
+    teacher_logp: torch.Tensor | None = None
+    teacher_ids: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def self_generate(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: int, batch: int = 16,
+                  layer: int | None = None, final: bool = False, top: int = 32,
+                  eos_ids: set[int] | None = None, desc: str = "generating") -> SelfGenerated:
+    """Greedy continuations of every prompt window by the target, then one teacher forward per batch."""
+    device = next(target.parameters()).device
+    k, p = prompts.shape
+    eos = sorted(eos_ids or ())
+    pad = eos[0] if eos else 0
+    tap = FinalNormTap(target) if final else None
+    out: dict[str, list[torch.Tensor]] = {"tokens": [], "valid": [], "layer": [], "final": [], "lp": [], "ids": []}
+    try:
+        for start in tqdm(range(0, k, batch), desc=desc, unit="batch"):
+            x = prompts[start: start + batch].to(device)
+            seq = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=gen_tokens, do_sample=False,
+                                  eos_token_id=eos or None, pad_token_id=pad)
+            if seq.shape[1] < p + gen_tokens:   # every row stopped early: pad to a fixed length
+                seq = torch.cat([seq, seq.new_full((seq.shape[0], p + gen_tokens - seq.shape[1]), pad)], 1)
+            valid = torch.ones_like(seq, dtype=torch.bool)
+            if eos:
+                is_eos = torch.isin(seq[:, p:], torch.tensor(eos, device=device))
+                after = (is_eos.long().cumsum(1) - is_eos.long()) > 0   # strictly after the first EOS
+                valid[:, p:] = ~after
+            res = target(seq, output_hidden_states=layer is not None)
+            logp = res.logits[:, p - 1: -1].float().log_softmax(-1)          # [B, G, vocab]
+            lp, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+            out["tokens"].append(seq.cpu())
+            out["valid"].append(valid.cpu())
+            out["lp"].append(lp.half().cpu())
+            out["ids"].append(ids.int().cpu())
+            if layer is not None:
+                out["layer"].append(res.hidden_states[layer].half().cpu())
+            if tap is not None:
+                out["final"].append(tap.last.half().cpu())
+    finally:
+        if tap is not None:
+            tap.remove()
+    return SelfGenerated(tokens=torch.cat(out["tokens"]), valid=torch.cat(out["valid"]), prompt_len=p,
+                         layer_hidden=torch.cat(out["layer"]) if out["layer"] else None,
+                         final_hidden=torch.cat(out["final"]) if out["final"] else None,
+                         teacher_logp=torch.cat(out["lp"]), teacher_ids=torch.cat(out["ids"]))
+
+
+def split(n: int, held_out: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train / held-out sequence indices (at least one of each when n >= 2)."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_test = min(max(1, round(n * held_out)), n - 1) if n >= 2 else 0
+    return order[n_test:], order[:n_test]
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,160 @@
+"""`rasd train ldlp`: AdaEAGLE's Lightweight Draft Length Predictor (arXiv 2412.18910) for one drafter.
+
+The target greedily continues prompt windows; one teacher-forced target forward gives the final-norm hidden
+state at every position (the same `FinalNormTap` decoding uses) and one drafter forward gives the drafter's
+argmax after every prefix. The label of root position i is the length of the common prefix of the drafter's
+k_max-token greedy continuation and the target's own (`ldlp.ldlp_labels`: one forward labels every
+position). Features: concat(the target's input embedding of token i, the final-norm hidden state at i - 1).
+Loss: L1 weighted by λ (default 2) where the prediction is too short: a too-short draft forfeits tokens that
+would have been accepted, a too-long one only costs draft time (DDD also extends confident drafts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from rasd.decoding.ldlp import LengthPredictor, ldlp_features, ldlp_labels, ldlp_path, weighted_l1
+from rasd.train.common import self_generate, split, write_json
+
+
+@torch.no_grad()
+def ldlp_dataset(target: torch.nn.Module, drafter: torch.nn.Module, prompts: torch.Tensor, k_max: int,
+                 gen_tokens: int, eos_ids: set[int] | None = None, batch: int = 16
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(features [M, 2H] float32, labels [M] float32, sequence index [M]) over the generated positions.
+
+    A root position i is used when the text is real (before EOS) up to i + k_max, so labels are never cut
+    short by the end of the text.
+    """
+    data = self_generate(target, prompts, gen_tokens, batch=batch, final=True, eos_ids=eos_ids, top=1)
+    embed = target.get_input_embeddings()
+    device = next(target.parameters()).device
+    feats, labels, seqs = [], [], []
+    p = data.prompt_len
+    for s in tqdm(range(0, len(data.tokens), batch), desc="labelling", unit="batch"):
+        tokens = data.tokens[s: s + batch]
+        argmax = drafter(tokens.to(device)).logits.argmax(-1).cpu()          # [B, T]
+        emb = embed(tokens.to(device)).float().cpu()                          # [B, T, H]
+        for b in range(len(tokens)):
+            lab = ldlp_labels(argmax[b], tokens[b], k_max)                    # [T - 1], root i -> lab[i]
+            n_valid = int(data.valid[s + b].sum())
+            roots = [i for i in range(p, len(tokens[b]) - 1) if i + k_max < n_valid]
+            if not roots:
+                continue
+            idx = torch.tensor(roots)
+            feats.append(ldlp_features(emb[b, idx], data.final_hidden[s + b, idx - 1]))
+            labels.append(lab[idx].float())
+            seqs.append(torch.full((len(roots),), s + b))
+    if not feats:
+        raise ValueError("no usable positions: generate more tokens (--gen-tokens) or lower --k-max")
+    return torch.cat(feats), torch.cat(labels), torch.cat(seqs)
+
+
+def evaluate(model: LengthPredictor, feats: torch.Tensor, labels: torch.Tensor, under_weight: float) -> dict:
+    with torch.no_grad():
+        pred = model(feats)
+        k = pred.round().clamp(0, model.k_max)
+    return {"weighted_l1": float(weighted_l1(pred, labels, under_weight)), "mae": float((k - labels).abs().mean()),
+            "exact": float((k == labels).float().mean()), "under": float((k < labels).float().mean()),
+            "mean_label": float(labels.mean()), "mean_k": float(k.mean())}
+
+
+def train_ldlp(target: torch.nn.Module, drafter: torch.nn.Module, prompts: torch.Tensor, k_max: int = 8,
+               gen_tokens: int = 48, steps: int = 2000, batch: int = 256, lr: float = 1e-3,
+               under_weight: float = 2.0, width: int = 256, held_out: float = 0.1,
+               eos_ids: set[int] | None = None, seed: int = 0) -> tuple[LengthPredictor, dict[str, Any]]:
+    """Label the target's own continuations with `drafter` and fit the LDLP; (predictor, report)."""
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    feats, labels, seqs = ldlp_dataset(target, drafter, prompts, k_max, gen_tokens, eos_ids)
+    data_s = time.perf_counter() - t0
+    train_seqs, test_seqs = split(int(seqs.max()) + 1, held_out, seed)
+    test = torch.isin(seqs, test_seqs) if len(test_seqs) else torch.zeros_like(seqs, dtype=torch.bool)
+    if test.all() or not test.any():
+        test = torch.ones_like(test)
+    train = ~test if (~test).any() else test
+    x, y = feats[train], labels[train]
+    mean, std = x.mean(0), x.std(0).clamp(min=1e-4)
+    model = LengthPredictor(feats.shape[1] // 2, width=width, k_max=k_max)
+    with torch.no_grad():   # start from the mean label; inputs are standardised during training only
+        model.out.bias.fill_(float(y.mean()))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    gen = torch.Generator().manual_seed(seed)
+    xs = (x - mean) / std
+    t1 = time.perf_counter()
+    bar = tqdm(range(steps), desc="training LDLP", unit="step")
+    for _ in bar:
+        idx = torch.randint(len(xs), (min(batch, len(xs)),), generator=gen)
+        loss = weighted_l1(model(xs[idx]), y[idx], under_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    with torch.no_grad():   # fold the standardisation into the input layer: W (x - m) / s + b
+        w = model.inp.weight / std
+        model.inp.bias -= (w * mean).sum(1)
+        model.inp.weight.copy_(w)
+    model.eval()
+    report = {"k_max": k_max, "under_weight": under_weight, "width": width, "steps": steps,
+              "positions": len(labels), "train_positions": int(train.sum()), "held_out_positions": int(test.sum()),
+              "held_out": evaluate(model, feats[test], labels[test], under_weight),
+              "constant_mae": float((labels[test] - labels[train].median()).abs().mean()),
+              "data_s": round(data_s, 1), "train_s": round(time.perf_counter() - t1, 1)}
+    return model, report
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("ldlp", help="train AdaEAGLE's draft length predictor for a drafter")
+    p.add_argument("--model", default="default", help="target: HF hub id, local path or `default`")
+    p.add_argument("--drafter", default="eesd", help="`eesd` (the trained self-draft) or a draft model path/id")
+    p.add_argument("--eesd", type=Path, default=None, help="exit-layer weights (default under $RASD_HOME/eesd/)")
+    p.add_argument("--data", default="builtin", help="JSONL(.gz) prompts or `builtin` (see `rasd train eesd`)")
+    p.add_argument("--out", type=Path, default=None, help="default: $RASD_HOME/ldlp/<model>--<drafter>.safetensors")
+    p.add_argument("--k-max", type=int, default=8)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--seqs", type=int, default=1000)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--gen-tokens", type=int, default=48)
+    p.add_argument("--under-weight", type=float, default=2.0, help="λ > 1: weight of under-prediction")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rasd.cli import CliError
+    from rasd.decoding.models import ModelLoadError, load_model
+    from rasd.decoding.proposers.early_exit import load_early_exit
+    from rasd.train.common import load_prompts, prompt_windows
+
+    if args.under_weight <= 1:
+        raise CliError("--under-weight must be > 1 (under-prediction costs more)")
+    try:
+        prompts = load_prompts(args.data, args.seqs * 3)
+        target = load_model(args.model, device=args.device, dtype="float32")
+        if args.drafter == "eesd":
+            drafter = load_early_exit(target.model, args.eesd, args.model)
+        else:
+            drafter = load_model(args.drafter, device=args.device, dtype="float32").model
+        windows = prompt_windows(target.tokenizer, prompts, args.prompt_tokens)[: args.seqs]
+        model, report = train_ldlp(target.model, drafter, windows, args.k_max, args.gen_tokens, args.steps,
+                                   under_weight=args.under_weight, eos_ids=target.eos_token_ids, seed=args.seed)
+    except (ValueError, ModelLoadError) as exc:
+        raise CliError(str(exc)) from exc
+    drafter_tag = "eesd" if args.drafter == "eesd" else "draft-model"
+    out = args.out or ldlp_path(args.model, drafter_tag)
+    report = {"model": args.model, "drafter": args.drafter, "data": args.data, **report}
+    model.save(out, {"model": args.model, "drafter": args.drafter})
+    write_json(out.with_suffix(".json"), report)
+    held = report["held_out"]
+    print(f"rasd train ldlp: wrote {out}; held-out MAE {held['mae']:.2f} tokens (constant predictor "
+          f"{report['constant_mae']:.2f}), exact k {held['exact']:.2f}, mean label {held['mean_label']:.2f}",
+          file=sys.stderr)
+    return 0
