@@ -140,8 +140,8 @@ def test_estimator_only_counts_tried_nodes_and_decays_to_prior() -> None:
     assert probs[3] == pytest.approx(probs[2] * est.rate(keys[3]))
     low = est.rate(keys[1])
     other = chain(1, source="t")
-    for _ in range(300):
-        est.update(other, [1])        # keys[1] is no longer tried: it drifts back to the prior mean
+    for _ in range(400):
+        est.update(other, [1])        # keys[1] (and its coarse bucket) no longer tried: back to the prior mean
     assert est.rate(keys[1]) > low
     assert est.rate(keys[1]) == pytest.approx(est.prior[0] / sum(est.prior), abs=0.02)
 
@@ -260,3 +260,17 @@ def test_sizer_exploration_backs_off_while_it_finds_nothing_and_resets_on_succes
     steps_until_exploration()
     sizer.observe(chain(4), [1], overhead_s=0.0)           # ... this one did
     assert steps_until_exploration() == 4
+
+
+def test_unseen_fine_bucket_falls_back_to_its_source_and_depth_rate() -> None:
+    """A rarely-accepted source's nodes in a new (rank, confidence) bucket start at the source's own low rate,
+    not at the optimistic prior; another source at the same depth keeps the prior."""
+    est = AcceptanceEstimator(thompson=False)
+    seen = chain(1, source="junk", score=0.9)
+    for _ in range(100):
+        est.update(seen, [])
+    unseen = chain(1, source="junk", score=0.1)            # another confidence bucket, same source and depth
+    key_seen, key_unseen = est.node_keys(seen)[1], est.node_keys(unseen)[1]
+    assert key_seen != key_unseen and key_unseen not in est.counts
+    assert est.rate(key_unseen) < 0.1
+    assert est.rate(est.node_keys(chain(1, source="other"))[1]) == pytest.approx(est.prior[0] / sum(est.prior))

@@ -199,18 +199,37 @@ def datastore_for(target: torch.nn.Module, prompt: list[int]) -> SuffixArray:
     return SuffixArray.from_documents([prompt[-6:] + ref[:20], random_prompt(50, 77)])
 
 
-@pytest.mark.parametrize("prune_with", ["counts", "recycling"])
-def test_rasd_with_recycling_greedy_equals_hf(prune_with: str) -> None:
+@pytest.mark.parametrize(("prune_with", "recycle_when"), [("counts", "fallback"), ("counts", "always"),
+                                                         ("recycling", "always")])
+def test_rasd_with_recycling_greedy_equals_hf(prune_with: str, recycle_when: str) -> None:
     target = tiny_llama(0)
     prompt = repeated_prompt(40, 3)
     proposer = make_proposer("rasd", datastores=[datastore_for(target, prompt)],
-                             recycling=RecyclingMatrix(TINY_VOCAB), prune_with=prune_with)
+                             recycling=RecyclingMatrix(TINY_VOCAB), prune_with=prune_with,
+                             recycle_when=recycle_when)
     decoder = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16))
     for n in (30, 30):                          # the second run starts with a hot matrix
         out = decoder.generate(prompt, n)
         assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, n), f"rasd {prune_with}")
     by_source = out.stats.accepted_by_source
     assert by_source.get("datastore", 0) + by_source.get("context", 0) > 0, by_source
+
+
+def test_rasd_recycles_only_as_a_fallback_by_default() -> None:
+    """With a context match the recycled tree stays out; with none it is the whole proposal."""
+    matrix = hand_matrix()
+    proposer = make_proposer("rasd", recycling=matrix)
+    proposer.start([1, 2, 3, 1, 2], SamplingParams())
+    matched = proposer.propose([1, 2, 3, 1, 2], 8)             # "1 2" occurred before: context proposes 3
+    assert "context" in matched.sources and "recycling" not in matched.sources
+    proposer.start([5, 6], SamplingParams())
+    unmatched = proposer.propose([5, 6], 8)
+    assert set(unmatched.sources[1:]) == {"recycling"} and unmatched.num_draft_tokens == 8
+    always = make_proposer("rasd", recycling=matrix, recycle_when="always")
+    always.start([1, 2, 3, 1, 2], SamplingParams())
+    assert {"context", "recycling"} <= set(always.propose([1, 2, 3, 1, 2], 8).sources)
+    with pytest.raises(ValueError, match="recycle_when"):
+        make_proposer("rasd", recycling=matrix, recycle_when="never")
 
 
 def test_rasd_prune_with_needs_its_source() -> None:
