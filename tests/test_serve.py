@@ -146,6 +146,7 @@ def test_bad_requests_get_openai_style_errors(service: dict[str, Any]) -> None:
         ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
         ({"prompt": "hi", "n": 2}, 400, "n"),
         ({"prompt": "hi", "method": "magic"}, 400, "method"),
+        ({"prompt": "hi", "method": "optree"}, 400, "method"),             # no --draft-model
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
         ({"prompt": "word " * 8200}, 400, "prompt"),                     # longer than the 8192 context
@@ -157,6 +158,11 @@ def test_bad_requests_get_openai_style_errors(service: dict[str, Any]) -> None:
         assert err["message"] and err["type"] and err["param"] == param, (body, err)
     r = c.post("/v1/docqa", json={"question": "   "})
     assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+    from rasd.decoding.proposers.early_exit import eesd_path
+
+    if not eesd_path("default").exists():                                  # untrained: refused up front
+        r = c.post("/v1/completions", json={"prompt": "hi", "method": "eesd"})
+        assert r.status_code == 400 and "rasd train eesd" in r.json()["error"]["message"]
     r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
 

@@ -130,6 +130,16 @@ class Service:
         if method == "draft" and self.draft is None:
             raise ApiError(400, "method 'draft' needs a draft model; start the service with --draft-model",
                            param="method")
+        if method in ("optree",) and self.draft is None:
+            raise ApiError(400, f"method {method!r} needs a draft model; start the service with --draft-model",
+                           param="method")
+        if method in ("eesd", "adaeagle"):
+            from rasd.cli import CliError, check_trained
+
+            try:    # the trained weights live under $RASD_HOME; without them the request would fail later
+                check_trained(method, self.config.model, "cost", self.config.draft_model)
+            except CliError as exc:
+                raise ApiError(400, str(exc), param="method") from exc
 
     def prompt_limit(self) -> int:
         return self.config.max_prompt_tokens or self.target.max_context - 1
