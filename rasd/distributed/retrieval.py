@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from rasd.index.manifest import read_manifest
-from rasd.index.store import Hit, Index
+from rasd.index.store import Hit, Index, IndexReader
 
 LOOKUP_TIMEOUT_S = 0.5     # a lookup slower than this costs more than the drafts it could give
 
@@ -103,7 +103,7 @@ def assign_segments(names: Sequence[str], num_shards: int) -> list[list[str]]:
     return [list(names[i::shards]) for i in range(shards)]
 
 
-class ShardedIndex:
+class ShardedIndex(IndexReader):
     """`Index`'s read interface over `RetrievalShard` actors (see the module docstring)."""
 
     def __init__(self, root: str | Path, num_shards: int, actor_options: dict[str, Any] | None = None,
@@ -143,14 +143,6 @@ class ShardedIndex:
 
     # ------------------------------------------------------------------ description (as Index)
     @property
-    def tokenizer_name(self) -> str:
-        return str(self.manifest["tokenizer"]["name"])
-
-    @property
-    def embedder_name(self) -> str:
-        return str(self.manifest["embedder"]["name"])
-
-    @property
     def num_documents(self) -> int:
         return sum(int(e["num_documents"]) for e in self.manifest["segments"])
 
@@ -166,19 +158,6 @@ class ShardedIndex:
         return f"ShardedIndex({str(self.root)!r}, shards={len(self.actors)}, documents={self.num_documents})"
 
     # ------------------------------------------------------------------ search
-    def embed_queries(self, queries: Sequence[str]) -> np.ndarray:
-        from rasd.index.embed import embed_texts, load_embedder
-
-        return embed_texts(load_embedder(self.embedder_name), list(queries))
-
-    def search(self, query: str, k: int = 5) -> list[Hit]:
-        return self.search_batch([query], k)[0]
-
-    def search_batch(self, queries: Sequence[str], k: int = 5) -> list[list[Hit]]:
-        if k <= 0 or not queries:
-            return [[] for _ in queries]
-        return self.search_vectors(self.embed_queries(queries), k)
-
     def search_vectors(self, query_vectors: np.ndarray, k: int) -> list[list[Hit]]:
         """Every shard searches at once; the k best over all of them, ties by chunk id (as `Index`)."""
         import ray

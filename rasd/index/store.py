@@ -94,7 +94,44 @@ class Segment:
         return Document(text=rec["text"], source=rec["source"], title=rec["title"], external_id=rec["external_id"])
 
 
-class Index:
+class IndexReader:
+    """What every index view shares, given `manifest` and `search_vectors`: names and text search.
+
+    `Index` (segments in this process) and `ShardedIndex` (segments in Ray actors) differ only in where
+    `search_vectors` runs; the query is embedded once, by the caller, either way.
+    """
+
+    manifest: dict[str, Any]
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.manifest["tokenizer"]["name"])
+
+    @property
+    def embedder_name(self) -> str:
+        return str(self.manifest["embedder"]["name"])
+
+    def search_vectors(self, query_vectors: np.ndarray, k: int) -> list[list[Hit]]:
+        raise NotImplementedError
+
+    def embed_queries(self, queries: Sequence[str]) -> np.ndarray:
+        """[q, dim] normalised query embeddings with the index's own embedder."""
+        from rasd.index.embed import embed_texts, load_embedder
+
+        return embed_texts(load_embedder(self.embedder_name), list(queries))
+
+    def search(self, query: str, k: int = 5) -> list[Hit]:
+        """The k chunks closest to `query` over all segments, best first (ties: lower chunk id first)."""
+        return self.search_batch([query], k)[0]
+
+    def search_batch(self, queries: Sequence[str], k: int = 5) -> list[list[Hit]]:
+        """`search` for several queries with one embedding call."""
+        if k <= 0 or not queries:
+            return [[] for _ in queries]
+        return self.search_vectors(self.embed_queries(queries), k)
+
+
+class Index(IndexReader):
     """A committed index, opened at the state its manifest.json described when it was read."""
 
     def __init__(self, root: Path, manifest: dict[str, Any], segments: list[Segment]):
@@ -129,14 +166,6 @@ class Index:
     # ------------------------------------------------------------------ description
 
     @property
-    def tokenizer_name(self) -> str:
-        return str(self.manifest["tokenizer"]["name"])
-
-    @property
-    def embedder_name(self) -> str:
-        return str(self.manifest["embedder"]["name"])
-
-    @property
     def num_documents(self) -> int:
         return sum(s.num_documents for s in self.segments)
 
@@ -154,22 +183,6 @@ class Index:
                 f"chunks={self.num_chunks}, tokens={self.num_tokens})")
 
     # ------------------------------------------------------------------ search
-
-    def embed_queries(self, queries: Sequence[str]) -> np.ndarray:
-        """[q, dim] normalised query embeddings with the index's own embedder."""
-        from rasd.index.embed import embed_texts, load_embedder
-
-        return embed_texts(load_embedder(self.embedder_name), list(queries))
-
-    def search(self, query: str, k: int = 5) -> list[Hit]:
-        """The k chunks closest to `query` over all segments, best first (ties: lower chunk id first)."""
-        return self.search_batch([query], k)[0]
-
-    def search_batch(self, queries: Sequence[str], k: int = 5) -> list[list[Hit]]:
-        """`search` for several queries with one embedding call."""
-        if k <= 0 or not queries:
-            return [[] for _ in queries]
-        return self.search_vectors(self.embed_queries(queries), k)
 
     def search_vectors(self, query_vectors: np.ndarray, k: int) -> list[list[Hit]]:
         """Search with precomputed query embeddings [q, dim] (e.g. one embedding shared by many shards)."""
