@@ -309,8 +309,14 @@ def run_serve(args: Any) -> int:
         address = args.address
     ray.init(address=address, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    except ray.exceptions.RayError as exc:
+        # Seen when the machine is saturated: Serve's HTTP proxy misses its readiness checks and is killed.
+        raise CliError(f"Ray Serve did not come up ({type(exc).__name__}); if the machine is busy, retry when "
+                       f"it is not (logs: /tmp/ray/session_latest/logs/serve/); stop leftovers with "
+                       f"`rasd serve --stop`") from exc
     url = f"http://{args.host}:{args.port}"
     print(f"rasd is serving {config['model']} at {url}  (OpenAI API under {url}/v1, docs at {url}/docs)", flush=True)
     if args.detach:
