@@ -215,15 +215,9 @@ class LDLPController:
 
 def ldlp_path(model_name: str, drafter: str) -> Path:
     """Default location of a trained LDLP: $RASD_HOME/ldlp/<model>--<drafter>.safetensors."""
-    from rasd.decoding.models import rasd_home
+    from rasd.decoding.models import rasd_home, slug
 
     return rasd_home() / "ldlp" / f"{slug(model_name)}--{slug(drafter)}.safetensors"
-
-
-def slug(name: str) -> str:
-    import re
-
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)).strip("_") or "model"
 
 
 def load_controller(target: nn.Module, path: Path | str | None, model_name: str, drafter: str) -> LDLPController:

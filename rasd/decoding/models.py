@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -67,6 +68,11 @@ class LoadedModel:
 def rasd_home() -> Path:
     """Root of rasd's caches (converted models, cost curves): `$RASD_HOME` or `~/.cache/rasd`."""
     return Path(os.environ.get("RASD_HOME", Path.home() / ".cache" / "rasd")).expanduser()
+
+
+def slug(name: str) -> str:
+    """A model or drafter name as one safe file-name part (hub ids contain "/")."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)).strip("_") or "model"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

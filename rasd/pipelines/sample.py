@@ -6,10 +6,9 @@ indexed once, at first use, under $RASD_HOME/indexes/, so `make run` can ask a r
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from rasd.decoding.models import rasd_home
+from rasd.decoding.models import rasd_home, slug
 
 SAMPLE_QUESTION = "How does the else clause of a for loop work, and when is it skipped?"
 
@@ -30,8 +29,7 @@ def sample_documents() -> list:
 
 
 def sample_index_path(model: str = "default") -> Path:
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", model).strip("_") or "model"
-    return rasd_home() / "indexes" / f"python-reference-{slug}"
+    return rasd_home() / "indexes" / f"python-reference-{slug(model)}"
 
 
 def ensure_sample_index(model: str = "default") -> Path:

@@ -106,8 +106,7 @@ def early_exit_model(target: nn.Module, exit_layer: nn.Module, layers: int) -> n
 
 def eesd_path(model_name: str) -> Path:
     """Default exit-layer weights: $RASD_HOME/eesd/<model>.safetensors."""
-    from rasd.decoding.ldlp import slug
-    from rasd.decoding.models import rasd_home
+    from rasd.decoding.models import rasd_home, slug
 
     return rasd_home() / "eesd" / f"{slug(model_name)}.safetensors"
 

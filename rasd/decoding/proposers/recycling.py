@@ -134,10 +134,9 @@ class RecyclingMatrix:
 
 def matrix_path(model_name: str) -> Path:
     """Where a target's recycling matrix is persisted: `$RASD_HOME/recycling/<model>.npz`."""
-    from rasd.decoding.models import rasd_home
+    from rasd.decoding.models import rasd_home, slug
 
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
-    return rasd_home() / "recycling" / f"{safe}.npz"
+    return rasd_home() / "recycling" / f"{slug(model_name)}.npz"
 
 
 def template(n: int, k: int, max_depth: int = 10) -> list[tuple[int, int]]:
