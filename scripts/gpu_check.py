@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -55,45 +57,93 @@ def top2_gap(model: torch.nn.Module, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def check_tiny(device: str, dtype: torch.dtype) -> dict:
-    """Greedy equality for ar/pld/draft on random Llamas; a difference must sit at a near-tie."""
+TINY_METHODS = ("ar", "pld", "draft", "optree", "recycling", "retrieval", "rasd", "rasd-draft", "eesd",
+                "adaeagle")
+
+
+def tiny_proposer(method: str, target: torch.nn.Module, draft: torch.nn.Module, docs: list[list[int]],
+                  files: Path):
+    """The proposer for one method on a tiny model: datastores, recycling matrix and self-draft weights built
+    here (random exit layer and LDLP: losslessness does not depend on how good a drafter is)."""
+    from rasd.decoding.ldlp import LengthPredictor
+    from rasd.decoding.proposers.early_exit import new_exit_layer, save_exit_layer
+    from rasd.decoding.proposers.recycling import RecyclingMatrix
+    from rasd.index.suffix_array import SuffixArray
+
+    vocab = target.config.vocab_size
+    if method in ("eesd", "adaeagle"):
+        exit_path, ldlp_path = files / "exit.safetensors", files / "ldlp.safetensors"
+        save_exit_layer(exit_path, new_exit_layer(target, 1), 1)
+        LengthPredictor(target.config.hidden_size, width=16, k_max=6).save(ldlp_path)
+        return make_proposer(method, target_model=target, eesd=exit_path, ldlp=ldlp_path)
+    stores = [SuffixArray.from_documents(docs)] if method in ("retrieval", "rasd", "rasd-draft") else None
+    recycling = RecyclingMatrix(vocab) if method in ("recycling", "rasd", "rasd-draft") else None
+    name = "rasd" if method == "rasd-draft" else method
+    use_draft = method in ("draft", "optree", "rasd-draft")
+    return make_proposer(name, draft_model=draft if use_draft else None, datastores=stores, recycling=recycling)
+
+
+def check_tiny(device: str, dtype: torch.dtype, files: Path) -> dict:
+    """Greedy equality for every method on random Llamas; a difference must sit at a near-tie.
+
+    Each (seed, method) runs on its own: an exception is recorded with its message, so one broken path does
+    not hide the others."""
     vocab, results = 200, []
     draft = tiny_llama(99, vocab, device, dtype)
-    for seed in range(4):
+    files.mkdir(parents=True, exist_ok=True)
+    for seed in range(3):
         target = tiny_llama(seed, vocab, device, dtype)
         gen = torch.Generator().manual_seed(seed)
         base = torch.randint(0, vocab, (12,), generator=gen).tolist()
         prompt = base * 3 + torch.randint(0, vocab, (5,), generator=gen).tolist()   # repeats: pld finds drafts
         ref, ours_ar = hf_greedy(target, prompt, 48), None
-        for method in ("ar", "pld", "draft"):
-            proposer = make_proposer(method, draft_model=draft if method == "draft" else None)
-            dec = SpeculativeDecoder(target, proposer, sizer=FixedSizer(0 if method == "ar" else 16))
-            res = dec.generate(prompt, max_new_tokens=48)
+        docs = [prompt[-6:] + ref, ref[10:] + base]      # a datastore that holds the answer: drafts get accepted
+        for method in TINY_METHODS:
+            row = {"seed": seed, "method": method}
+            try:
+                proposer = tiny_proposer(method, target, draft, docs, files)
+                dec = SpeculativeDecoder(target, proposer, sizer=FixedSizer(0 if method == "ar" else 16))
+                res = dec.generate(prompt, max_new_tokens=48)
+            except Exception as err:   # noqa: BLE001 - reported, not hidden: the point is to see every failure
+                row.update(equal=False, error=f"{type(err).__name__}: {err}"[:400],
+                           trace=traceback.format_exc()[-1500:])
+                results.append(row)
+                print(f"  {dtype} seed {seed} {method}: ERROR {row['error']}", flush=True)
+                continue
             i = first_diff(res.token_ids, ref)
-            gap = None if i is None else top2_gap(target, prompt + ref[:i])
             ours_ar = res.token_ids if method == "ar" else ours_ar
-            results.append({"seed": seed, "method": method, "equal": i is None, "first_diff": i,
-                            "equal_to_our_ar": res.token_ids == ours_ar,
-                            "ref_top2_gap": gap, "mean_accepted": res.stats.mean_accepted_tokens})
+            row.update(equal=i is None, first_diff=i, equal_to_our_ar=res.token_ids == ours_ar,
+                       ref_top2_gap=None if i is None else top2_gap(target, prompt + ref[:i]),
+                       mean_accepted=res.stats.mean_accepted_tokens)
+            results.append(row)
     return {"device": device, "dtype": str(dtype), "runs": results,
-            "all_equal": all(r["equal"] for r in results)}
+            "all_equal": all(r["equal"] for r in results),
+            "failed": sorted({r["method"] for r in results if not r["equal"]})}
 
 
-def check_real(device: str, dtype: str, prompts: list[str]) -> dict:
-    """The default model: pld greedy vs HF greedy on a few chat prompts, and the cost curve."""
+def check_real(device: str, dtype: str, prompts: list[str], methods: list[str]) -> dict:
+    """The default model: each method's greedy output vs HF greedy on a few chat prompts, and the cost curve.
+
+    One decoder per method across the prompts, as the service keeps one (recycling's matrix warms up)."""
     from rasd.decoding.engine import build_decoder
     from rasd.decoding.models import load_model
     from rasd.pipelines.bench import encode_prompt
 
     target = load_model("default", device=device, dtype=dtype)
-    runs = []
+    runs: list[dict] = []
+    decoders: dict = {}
     for text in prompts:
         ids = encode_prompt(target.tokenizer, text)
         ref = hf_greedy(target.model, ids, 96)
-        for method in ("ar", "pld"):
-            dec = build_decoder(target, method)
+        for method in methods:
             t0 = time.perf_counter()
-            out = dec.generate(ids, max_new_tokens=96)
+            try:
+                out = decoders.setdefault(method, build_decoder(target, method)).generate(ids, max_new_tokens=96)
+            except Exception as err:   # noqa: BLE001 - recorded: see check_tiny
+                runs.append({"method": method, "equal": False, "error": f"{type(err).__name__}: {err}"[:400],
+                             "trace": traceback.format_exc()[-1500:]})
+                print(f"  real {method}: ERROR {runs[-1]['error']}", flush=True)
+                continue
             i = first_diff(out.token_ids[: len(ref)], ref)
             runs.append({"method": method, "prompt_tokens": len(ids), "equal": i is None, "first_diff": i,
                          "mean_accepted": out.stats.mean_accepted_tokens, "seconds": time.perf_counter() - t0,
@@ -112,14 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", default=None, help="Spec-Bench question.jsonl to take real prompts from")
     p.add_argument("--out", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--real-methods", default="ar,pld,recycling,rasd",
+                   help="methods checked on the real model (add eesd when its weights are under $RASD_HOME)")
+    p.add_argument("--no-tiny", action="store_true", help="skip the tiny-model checks")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     report: dict = {"torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    for dt in (torch.float32, torch.bfloat16):
-        report[f"tiny_{dt}"] = check_tiny(args.device, dt)
-        print(f"tiny {dt}: all equal = {report[f'tiny_{dt}']['all_equal']}", flush=True)
+    for dt in () if args.no_tiny else (torch.float32, torch.bfloat16):
+        report[f"tiny_{dt}"] = check_tiny(args.device, dt, Path(tempfile.mkdtemp(prefix="rasd-gpu-")))
+        print(f"tiny {dt}: all equal = {report[f'tiny_{dt}']['all_equal']}, failed: "
+              f"{report[f'tiny_{dt}']['failed']}", flush=True)
     if args.real:
         prompts = ["Explain in three sentences why the sky is blue.", "Write a short poem about autumn."]
         if args.prompts:
@@ -128,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows:
                 seen.setdefault(row.get("category", "?"), row["turns"][0])
             prompts = list(seen.values())[:6]
-        report["real"] = check_real(args.device, args.dtype, prompts)
+        report["real"] = check_real(args.device, args.dtype, prompts, args.real_methods.split(","))
         print(f"real {args.dtype}: all equal = {report['real']['all_equal']}", flush=True)
         print("cost curve (ms, ctx 512):", report["real"]["cost_curve_ms_ctx512"], flush=True)
     text = json.dumps(report, indent=1)

@@ -105,7 +105,7 @@ def best_children(tree: DraftTree, frontier: list[int], probs: torch.Tensor, n: 
     siblings never repeat a token.
     """
     k = min(n, probs.shape[-1])
-    row_p, row_tok = probs.topk(k, dim=-1)                                                   # [F, k] each
+    row_p, row_tok = (t.cpu() for t in probs.topk(k, dim=-1))                               # [F, k] each, host
     parent_scores = torch.tensor([tree.scores[f] for f in frontier], dtype=torch.float64)   # [F]
     scores = (parent_scores[:, None] * row_p.to(torch.float64)).reshape(-1)                 # [F * k]
     top = scores.topk(min(n, scores.numel()))
