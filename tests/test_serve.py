@@ -231,8 +231,23 @@ def test_load_levels_report_throughput_and_latency(service: dict[str, Any]) -> N
 
     questions = [QUESTION, "How long is the Forth Bridge?", "How is green tea brewed?"]
     level = run_level(service["url"], KEY, questions, 3, {"max_tokens": 12, "temperature": 0, "top_k_sources": 1})
-    assert level["requests"] == 3 and level["completion_tokens"] > 0 and level["tokens_per_s"] > 0
-    assert 0 < level["latency_p50_s"] <= level["latency_p95_s"] <= level["wall_s"] + 1
+    assert level["requests"] == level["completed"] == 3 and level["completion_tokens"] > 0
+    assert level["rejected"] == level["errors"] == level["timeouts"] == level["not_sent"] == 0
+    assert 0 < level["latency_p50_s"] <= level["latency_p99_s"] <= level["wall_s"] + 1 and level["tokens_per_s"] > 0
     level.update(identical_to_in_process=1.0, vs_hf=2.0, vs_hf_e2e=2.5)
     table = format_load_table({"hf_tokens_per_s": 10.0, "hf_e2e_tokens_per_s": 8.0, "levels": [level]})
     assert "agg tok/s" in table and "2.00x" in table
+
+
+def test_load_level_counts_errors_and_rejections_without_retrying(service: dict[str, Any]) -> None:
+    from rasd.pipelines.load import format_load_table, percentile, run_level
+
+    level = run_level(service["url"], "wrong-key", ["a?", "b?"], 2, {"max_tokens": 4})
+    assert level["completed"] == 0 and level["errors"] == 2 and level["latency_p50_s"] is None
+    assert all(row["status"] == 401 for row in level["rows"])
+    late = run_level(service["url"], KEY, ["a?"], 1, {"max_tokens": 4}, level_timeout_s=-1)
+    assert late["not_sent"] == 1 and late["completion_tokens"] == 0
+    level.update(identical_to_in_process=None, vs_hf=0.0, vs_hf_e2e=0.0)
+    assert " - " in format_load_table({"hf_tokens_per_s": 1.0, "hf_e2e_tokens_per_s": 1.0, "levels": [level]})
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([1.0] * 99 + [9.0], 0.99) == 1.0
+    assert percentile([1.0] * 98 + [9.0, 9.0], 0.99) == 9.0 and percentile([], 0.5) is None

@@ -10,6 +10,7 @@ engine (`DocQA.ask`, same method) token for token through the text.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -51,6 +52,9 @@ def register(subparsers: Any) -> Any:
     p.add_argument("--model", default="default", help="the service's model (for the in-process reference)")
     p.add_argument("--out", default=None, help="results JSON")
     p.add_argument("--plot", default=None, help="throughput/latency PNG")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts as hung")
+    p.add_argument("--level-timeout", type=float, default=900.0,
+                   help="seconds after which a level starts no more requests")
     p.set_defaults(func=run_load)
     return p
 
@@ -64,29 +68,69 @@ def load_questions(path: str | None, limit: int | None) -> list[str]:
     return questions[:limit] if limit else questions
 
 
-def run_level(url: str, api_key: str | None, questions: list[str], concurrency: int, params: dict[str, Any]
-              ) -> dict[str, Any]:
-    """All questions through `concurrency` client threads; per-request latency and the level's throughput."""
-    from rasd.client import Client
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 1]) of a non-empty list; None for an empty one."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def ask_once(url: str, api_key: str | None, question: str, params: dict[str, Any], timeout_s: float
+             ) -> dict[str, Any]:
+    """One request, no retries: its outcome is `ok`, `rejected` (429/503: the service said it is full or
+    down), `error` (any other HTTP error, with its message) or `timeout` (no answer in `timeout_s`: a hang
+    would show up here, bounded)."""
+    import httpx
+
+    from rasd.client import ApiError, Client
+
+    row: dict[str, Any] = {"question": question, "outcome": "ok"}
+    start = time.perf_counter()
+    try:
+        with Client(url, api_key=api_key, retries=0, timeout=timeout_s) as client:
+            answer = client.ask(question, **params)
+        row.update(answer=answer.answer, completion_tokens=answer.usage.get("completion_tokens", 0),
+                   mean_accepted_tokens=answer.stats.get("mean_accepted_tokens"))
+    except ApiError as exc:
+        row.update(outcome="rejected" if exc.status in (429, 503) else "error", status=exc.status,
+                   message=exc.message)
+    except httpx.TimeoutException as exc:
+        row.update(outcome="timeout", message=f"no answer in {timeout_s:.0f} s ({type(exc).__name__})")
+    except httpx.HTTPError as exc:
+        row.update(outcome="error", message=f"{type(exc).__name__}: {exc}")
+    row["latency_s"] = time.perf_counter() - start
+    return row
+
+
+def run_level(url: str, api_key: str | None, questions: list[str], concurrency: int, params: dict[str, Any],
+              request_timeout_s: float = 300.0, level_timeout_s: float = 900.0) -> dict[str, Any]:
+    """All questions through `concurrency` client threads; per-request outcome and latency, the level's
+    throughput. Bounded: each request by `request_timeout_s`, and no request starts after
+    `level_timeout_s` (those count as `not_sent`)."""
+    deadline = time.perf_counter() + level_timeout_s
 
     def one(question: str) -> dict[str, Any]:
-        with Client(url, api_key=api_key, retries=5, retry_busy=True) as client:
-            start = time.perf_counter()
-            answer = client.ask(question, **params)
-            return {"question": question, "answer": answer.answer, "latency_s": time.perf_counter() - start,
-                    "completion_tokens": answer.usage.get("completion_tokens", 0),
-                    "mean_accepted_tokens": answer.stats.get("mean_accepted_tokens")}
+        if time.perf_counter() > deadline:
+            return {"question": question, "outcome": "not_sent", "latency_s": 0.0}
+        return ask_once(url, api_key, question, params, request_timeout_s)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         rows = list(pool.map(one, questions))
     wall = time.perf_counter() - start
-    latencies = sorted(r["latency_s"] for r in rows)
-    tokens = sum(r["completion_tokens"] for r in rows)
-    return {"concurrency": concurrency, "requests": len(rows), "wall_s": wall, "completion_tokens": tokens,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0, "latency_p50_s": statistics.median(latencies),
-            "latency_p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
-            "mean_accepted_tokens": statistics.mean(r["mean_accepted_tokens"] or 1.0 for r in rows), "rows": rows}
+    done = [r for r in rows if r["outcome"] == "ok"]
+    latencies = [r["latency_s"] for r in done]
+    tokens = sum(r["completion_tokens"] for r in done)
+    outcomes = {k: sum(r["outcome"] == k for r in rows) for k in ("ok", "rejected", "error", "timeout", "not_sent")}
+    return {"concurrency": concurrency, "requests": len(rows), "completed": outcomes["ok"],
+            "rejected": outcomes["rejected"], "errors": outcomes["error"], "timeouts": outcomes["timeout"],
+            "not_sent": outcomes["not_sent"], "wall_s": wall, "completion_tokens": tokens,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "latency_p50_s": percentile(latencies, 0.5), "latency_p95_s": percentile(latencies, 0.95),
+            "latency_p99_s": percentile(latencies, 0.99),
+            "mean_accepted_tokens": (statistics.mean(r["mean_accepted_tokens"] or 1.0 for r in done)
+                                     if done else None), "rows": rows}
 
 
 def reference(index_spec: str, model: str, questions: list[str], method: str, top_k: int, max_tokens: int
@@ -130,11 +174,12 @@ def run_load(args: Any) -> int:
     results = []
     for level in levels:
         print(f"concurrency {level}: {len(questions)} questions ...", file=sys.stderr, flush=True)
-        results.append(run_level(args.url, args.api_key, questions, level, params))
+        results.append(run_level(args.url, args.api_key, questions, level, params, args.request_timeout,
+                                 args.level_timeout))
     ref = reference(args.index, args.model, questions, args.method, args.top_k_sources, args.max_tokens)
     for level in results:
-        same = [row["answer"] == ref["answers"][row["question"]] for row in level["rows"]]
-        level["identical_to_in_process"] = sum(same) / len(same)
+        same = [row["answer"] == ref["answers"][row["question"]] for row in level["rows"] if row["outcome"] == "ok"]
+        level["identical_to_in_process"] = sum(same) / len(same) if same else None
         level["vs_hf"] = level["tokens_per_s"] / ref["hf_tokens_per_s"]
         level["vs_hf_e2e"] = level["tokens_per_s"] / ref["hf_e2e_tokens_per_s"]
     summary = {"url": args.url, "method": args.method, "max_tokens": args.max_tokens, "questions": len(questions),
@@ -148,16 +193,21 @@ def run_load(args: Any) -> int:
     return 0
 
 
+def _num(value: float | None, spec: str, width: int) -> str:
+    return f"{value:{width}{spec}}" if value is not None else f"{'-':>{width}}"
+
+
 def format_load_table(summary: dict[str, Any]) -> str:
     lines = [f"hf greedy, one request at a time: {summary['hf_tokens_per_s']:.2f} tok/s decode, "
              f"{summary['hf_e2e_tokens_per_s']:.2f} tok/s with prefill",
-             f"{'conc':>4} {'reqs':>4} {'wall s':>7} {'agg tok/s':>9} {'vs hf':>6} {'vs hf e2e':>9} "
-             f"{'p50 s':>6} {'p95 s':>6} {'acc':>5} {'same':>5}"]
+             f"{'conc':>4} {'reqs':>4} {'ok':>3} {'rej':>3} {'err':>3} {'hung':>4} {'wall s':>7} {'agg tok/s':>9} "
+             f"{'vs hf':>6} {'vs hf e2e':>9} {'p50 s':>6} {'p99 s':>6} {'acc':>5} {'same':>5}"]
     for lv in summary["levels"]:
-        lines.append(f"{lv['concurrency']:>4} {lv['requests']:>4} {lv['wall_s']:>7.1f} {lv['tokens_per_s']:>9.2f} "
-                     f"{lv['vs_hf']:>5.2f}x {lv['vs_hf_e2e']:>8.2f}x {lv['latency_p50_s']:>6.1f} "
-                     f"{lv['latency_p95_s']:>6.1f} {lv['mean_accepted_tokens']:>5.2f} "
-                     f"{lv['identical_to_in_process']:>5.2f}")
+        lines.append(f"{lv['concurrency']:>4} {lv['requests']:>4} {lv['completed']:>3} {lv['rejected']:>3} "
+                     f"{lv['errors']:>3} {lv['timeouts']:>4} {lv['wall_s']:>7.1f} {lv['tokens_per_s']:>9.2f} "
+                     f"{lv['vs_hf']:>5.2f}x {lv['vs_hf_e2e']:>8.2f}x {_num(lv['latency_p50_s'], '.1f', 6)} "
+                     f"{_num(lv['latency_p99_s'], '.1f', 6)} {_num(lv['mean_accepted_tokens'], '.2f', 5)} "
+                     f"{_num(lv['identical_to_in_process'], '.2f', 5)}")
     return "\n".join(lines)
 
 
@@ -176,7 +226,7 @@ def plot_load(summary: dict[str, Any], path: str) -> None:
     ax1.set_ylabel("tokens/s")
     ax1.legend()
     ax2.plot(conc, [lv["latency_p50_s"] for lv in levels], "o-", label="p50")
-    ax2.plot(conc, [lv["latency_p95_s"] for lv in levels], "s--", label="p95")
+    ax2.plot(conc, [lv["latency_p99_s"] for lv in levels], "s--", label="p99")
     ax2.set_xlabel("concurrent requests")
     ax2.set_ylabel("request latency (s)")
     ax2.legend()
