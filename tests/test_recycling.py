@@ -232,6 +232,38 @@ def test_rasd_recycles_only_as_a_fallback_by_default() -> None:
         make_proposer("rasd", recycling=matrix, recycle_when="never")
 
 
+@pytest.mark.parametrize("flat", [True, False])
+def test_rasd_auto_recycles_beside_matches_only_on_a_flat_curve(flat: bool) -> None:
+    """"auto" asks the cost curve (per context length) whether extra recycled nodes are nearly free."""
+    asked: list[int] = []
+
+    def flat_curve(n: int) -> bool:
+        asked.append(n)
+        return flat
+
+    proposer = make_proposer("rasd", recycling=hand_matrix(), recycle_when="auto", flat_curve=flat_curve)
+    proposer.start([1, 2, 3, 1, 2], SamplingParams())
+    sources = set(proposer.propose([1, 2, 3, 1, 2], 8).sources)
+    assert "context" in sources and ("recycling" in sources) == flat and asked == [5]
+    with pytest.raises(ValueError, match="flat_curve"):
+        make_proposer("rasd", recycling=hand_matrix(), recycle_when="auto")
+
+
+def test_curve_is_flat_and_build_decoder_picks_auto() -> None:
+    from rasd.decoding.cost import CostCurve
+    from rasd.decoding.engine import build_decoder, curve_is_flat
+
+    gpu = CostCurve("gpu", 512, [1, 16, 64], [0.0268, 0.0269, 0.0276])      # measured on an H200
+    cpu = CostCurve("cpu", 512, [1, 16, 64], [0.060, 0.105, 0.190])          # this CPU (DESIGN.md)
+    assert curve_is_flat(gpu) and not curve_is_flat(cpu)
+
+    class Loaded:
+        model, name, tokenizer, max_context, device, dtype = tiny_llama(0), "tiny", None, 512, "cpu", "float32"
+
+    assert build_decoder(Loaded(), "rasd").proposer.recycle_when == "auto"
+    assert build_decoder(Loaded(), "rasd", sizing="fixed").proposer.recycle_when == "fallback"
+
+
 def test_rasd_prune_with_needs_its_source() -> None:
     with pytest.raises(ValueError, match="needs a draft source"):
         make_proposer("rasd", recycling=RecyclingMatrix(10), prune_with="draft")

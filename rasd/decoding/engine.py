@@ -269,6 +269,8 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
     if method in ("recycling", "rasd"):
         proposer_options.setdefault("recycling", RecyclingMatrix(vocab_size(target.model)))
     curve_for = _curve_provider(target)   # lazy: nothing is measured unless a policy asks for the curve
+    if method == "rasd" and sizing == "cost" and "recycle_when" not in proposer_options:
+        proposer_options.update(recycle_when="auto", flat_curve=lambda n: curve_is_flat(curve_for(n)))
     if method == "optree" and sizing == "cost":
         proposer_options.setdefault("target_step_s", lambda context_len: curve_for(context_len).latency(1))
     if method in ("eesd", "adaeagle"):   # self-drafts: the target's own layers + trained weights
@@ -287,6 +289,14 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
                     else make_sizer(sizing, max_nodes, curve_for=curve_for, **sizer_options))
     return SpeculativeDecoder(target.model, proposer, tokenizer=target.tokenizer, sizer=sizer,
                               max_context=target.max_context, method=method)
+
+
+FLAT_CURVE_RATIO = 1.15   # verifying 16 tree tokens costs < 15% more than one: extra nodes are nearly free
+
+
+def curve_is_flat(curve: Any, tokens: int = 16) -> bool:
+    """Whether a 16-token tree costs about as much as one token (a GPU: 1.00x; this CPU: ≈1.75x)."""
+    return curve.latency(tokens) < FLAT_CURVE_RATIO * curve.latency(1)
 
 
 def vocab_size(model: torch.nn.Module) -> int:

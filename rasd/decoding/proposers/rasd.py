@@ -14,13 +14,17 @@ probability source that prunes retrieval branches (`prune_with="recycling"`). Wi
 recycling matrix the retrieval branches are pruned by retrieval counts alone, unless a `probs_fn` (any
 `context -> next-token probabilities [vocab]`) is given.
 
+The draft may run elsewhere: `draft_proposer=` takes an already-built draft proposer, such as a
+`RemoteDraft` whose model lives in a `DraftWorker` Ray actor; when it answers "no draft" (worker down or
+late), the step goes on with the retrieval and recycled trees, pruned by counts.
+
 Sampling stays exact: the draft tree (whose nodes were sampled from q) is built first and kept whole;
 retrieval nodes are deterministic candidates grafted after the sampled ones (see `fusion`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,17 +50,33 @@ class RasdProposer:
                  prune_config: PruneConfig | None = None, probs_fn: ProbsFn | None = None,
                  draft_options: dict[str, Any] | None = None, recycling: RecyclingMatrix | None = None,
                  recycling_options: dict[str, Any] | None = None, prune_with: str = "auto",
-                 recycle_when: str = "fallback",
-                 **retrieval_options: Any):
+                 recycle_when: str = "fallback", flat_curve: Callable[[int], bool] | None = None,
+                 draft_proposer: Any = None, **retrieval_options: Any):
         self.retrieval = RetrievalProposer(datastores, **retrieval_options)
-        self.draft = None if draft_model is None else DraftModelProposer(draft_model, **(draft_options or {}))
+        self.draft = self._make_draft(draft_model, draft_proposer, draft_options)
         self.recycling = None if recycling is None else RecyclingProposer(recycling, **(recycling_options or {}))
-        if recycle_when not in ("fallback", "always"):
-            raise ValueError(f"unknown recycle_when {recycle_when!r}; choose fallback or always")
-        self.recycle_when = recycle_when
+        if recycle_when not in ("fallback", "always", "auto"):
+            raise ValueError(f"unknown recycle_when {recycle_when!r}; choose fallback, always or auto")
+        if recycle_when == "auto" and flat_curve is None:
+            raise ValueError("recycle_when='auto' needs flat_curve (the cost curve's verdict; see build_decoder)")
+        self.recycle_when, self.flat_curve = recycle_when, flat_curve
         self.model = draft_model          # the engine installs its fast kernels on `proposer.model`
         self.prune_config = prune_config or PruneConfig()
         self.probs_fn = probs_fn if probs_fn is not None else self._probability_source(prune_with)
+
+    @staticmethod
+    def _make_draft(draft_model: torch.nn.Module | None, draft_proposer: Any,
+                    draft_options: dict[str, Any] | None) -> Any:
+        """A local `DraftModelProposer` over `draft_model`, or an already-built one (`draft_proposer`).
+
+        Why both: a draft served elsewhere (`rasd.distributed.draft.RemoteDraft`, duck-typed `start`,
+        `propose`, `root_probs`) is built by the caller, with its options where the model lives.
+        """
+        if draft_proposer is None:
+            return None if draft_model is None else DraftModelProposer(draft_model, **(draft_options or {}))
+        if draft_model is not None or draft_options:
+            raise ValueError("pass either draft_model (with draft_options) or draft_proposer, not both")
+        return draft_proposer
 
     def _probability_source(self, prune_with: str) -> ProbsFn | None:
         """"auto": the draft model, else nothing (counts); "draft", "recycling" or "counts" explicitly.
@@ -101,22 +121,27 @@ class RasdProposer:
         # chunks are in the prompt and small models repeat their own phrasing, so it is the best-accepted
         # source (measured on LongBench QA rows); retrieval branches, pruned, fill the remaining budget.
         # Recycled guesses come last: they exist at every step, but are less often right than a long match.
-        recycled = [self.recycling.propose(context, max_nodes)] if self._recycle(trees) else []
+        recycled = [self.recycling.propose(context, max_nodes)] if self._recycle(context, trees) else []
         for part in (*own, kept, *recycled):
             tree = fuse(tree, part, max_nodes)
         tree.bucket = match_class(max((t.bucket for t in trees), default=0))
         tree.pruned = pruned
         return tree
 
-    def _recycle(self, trees: list[DraftTree]) -> bool:
-        """Whether to add the recycled tree: always, or ("fallback") only when nothing else matched.
+    def _recycle(self, context: list[int], trees: list[DraftTree]) -> bool:
+        """Whether to add the recycled tree: always, ("fallback") only when nothing else matched, or ("auto")
+        always where the cost curve is flat and as a fallback where it is steep.
 
-        Measured on LongBench QA rows: added at every step, recycled nodes filled the budget beside the
-        context's continuation and were rarely right there (44 of 1181 accepted), making trees 1.8x larger.
+        Measured on LongBench QA rows on the CPU: added at every step, recycled nodes filled the budget beside
+        the context's continuation and were rarely right there (44 of 1181 accepted), making trees 1.8x larger
+        at a steep cost per node. On an H200 the curve is flat (64 tokens cost 3% more than 1) and recycling
+        alone was the best source on Spec-Bench (README, "On a GPU"): extra nodes are nearly free there.
         """
         if self.recycling is None:
             return False
-        return self.recycle_when == "always" or not any(t.num_draft_tokens for t in trees)
+        if self.recycle_when == "always" or not any(t.num_draft_tokens for t in trees):
+            return True
+        return self.recycle_when == "auto" and self.flat_curve is not None and self.flat_curve(len(context))
 
     def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
         """Recycle the target's top-k at every node; retrieval and draft catch up lazily in `propose`."""
