@@ -11,7 +11,7 @@ through the node):
 The tries are merged into one tree by longest-prefix grafting, the longest match first (its source tag wins
 on shared nodes), and the `max_nodes` best-scored nodes are kept. `tree.bucket` is the longest match's
 length class: the cost-aware sizer learns acceptance rates per bucket, and longer matches are accepted more
-often. With no datastore and no scope this is prompt lookup with `length`-token continuations.
+often. With no datastore and no scope this is prompt lookup.
 
 Defaults (`max_continuations=16`, `length=8`) were measured with `scripts/measure_retrieval.py`: embedded
 SmolLM2-135M, CPU (2 cores, another process often busy), 4 LongBench rows (multifieldqa_en, qasper,
@@ -19,7 +19,9 @@ gov_report), prompt = the first 1000 tokens of a row's document + its question, 
 documents (24k tokens), request scoped to its own, 64 greedy tokens, cost-aware sizing. Mean accepted tokens
 (decode tokens/s; `ar` 13.3, `pld` 1.54 / 11.7): N16 L8 1.60 (12.0), N64 L8 1.45 (10.4), N16 L16 1.54
 (10.8), N8 L4 1.41 (10.2). More continuations add rarely-right branches, longer ones rarely-reached depth;
-fewer or shorter ones lose accepted tokens.
+fewer or shorter ones lose accepted tokens. The context source keeps `pld`'s 10-token continuations
+(`context_length`): with 8, `rasd` capped long copies from the prompt one token short of `pld` (LongBench
+docqa: 33 steps accepted 8 tokens where `pld` accepted 9 in 25), so `rasd` minus its extra sources is `pld`.
 """
 
 from __future__ import annotations
@@ -57,12 +59,13 @@ class RetrievalProposer:
 
     def __init__(self, datastores: Sequence[SuffixArray] | None = None, max_continuations: int = 16,
                  length: int = 8, max_match: int = 16, min_match: int = 2, use_context: bool = True,
-                 context_max_ngram: int = 4, context_min_ngram: int = 1, context_matches: int = 8):
+                 context_max_ngram: int = 4, context_min_ngram: int = 1, context_matches: int = 8,
+                 context_length: int = 10):
         self.datastores = list(datastores or [])
         self.max_continuations, self.length = max_continuations, length
         self.max_match, self.min_match = max_match, min_match
         self.context = (PromptLookupProposer(max_ngram=context_max_ngram, min_ngram=context_min_ngram,
-                                             max_len=length, max_matches=context_matches, source=CONTEXT)
+                                             max_len=context_length, max_matches=context_matches, source=CONTEXT)
                         if use_context else None)
         self.documents: SuffixArray | None = None
 
