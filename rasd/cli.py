@@ -27,13 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     from rasd.index import cli as index_cli
-    from rasd.pipelines import bench, docqa, load, serve_cli
+    from rasd.pipelines import bench, docqa, fault, load, serve_cli
 
     bench.register(sub)
     index_cli.register(sub)
     docqa.register(sub)
     serve_cli.register(sub)
     load.register(sub)
+    fault.register(sub)
     _add_train(sub)
     return parser
 

@@ -91,7 +91,8 @@ def ask_once(url: str, api_key: str | None, question: str, params: dict[str, Any
         with Client(url, api_key=api_key, retries=0, timeout=timeout_s) as client:
             answer = client.ask(question, **params)
         row.update(answer=answer.answer, completion_tokens=answer.usage.get("completion_tokens", 0),
-                   mean_accepted_tokens=answer.stats.get("mean_accepted_tokens"))
+                   mean_accepted_tokens=answer.stats.get("mean_accepted_tokens"),
+                   sources=[[s.get("doc_id"), s.get("chunk_id")] for s in answer.sources])
     except ApiError as exc:
         row.update(outcome="rejected" if exc.status in (429, 503) else "error", status=exc.status,
                    message=exc.message)
