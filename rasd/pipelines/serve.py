@@ -289,7 +289,37 @@ def config_from_args(args: Any) -> dict[str, Any]:
             "dtype": args.dtype, "method": args.method, "docqa_method": args.docqa_method,
             "max_batch": args.max_batch, "max_waiting": args.max_waiting, "max_tokens_limit": args.max_tokens_limit,
             "api_key": args.api_key, "threads": args.threads or default_threads(),
-            "retrieval_shards": getattr(args, "retrieval_shards", 0)}
+            "retrieval_shards": getattr(args, "retrieval_shards", 0), **draft_worker_config(args)}
+
+
+def draft_worker_config(args: Any) -> dict[str, Any]:
+    """The draft-worker keys of ServeConfig from `--draft-workers`, `--draft-worker-model/-resources`."""
+    import json
+
+    from rasd.cli import CliError
+
+    workers = getattr(args, "draft_workers", 0) or 0
+    if workers < 0:
+        raise CliError("--draft-workers must be >= 0")
+    worker_model = getattr(args, "draft_worker_model", None)
+    if workers and not (worker_model or args.draft_model):   # the EESD self-draft: trained weights needed
+        from rasd.decoding.proposers.early_exit import eesd_path
+
+        if not eesd_path(args.model).exists():
+            raise CliError(f"--draft-workers without --draft-model hosts the EESD self-draft, whose exit layer "
+                           f"{eesd_path(args.model)} is missing: run `rasd train eesd --model {args.model} --data "
+                           f"builtin`, or pass --draft-model / --draft-worker-model")
+    config: dict[str, Any] = {"draft_workers": workers, "draft_worker_model": worker_model}
+    resources = getattr(args, "draft_worker_resources", None)
+    if resources:
+        try:
+            parsed = json.loads(resources)
+        except json.JSONDecodeError as exc:
+            raise CliError(f"--draft-worker-resources is not JSON: {exc}") from exc
+        if not isinstance(parsed, dict):
+            raise CliError('--draft-worker-resources must be a JSON object, e.g. \'{"rasd_draft": 1}\'')
+        config["draft_worker_options"] = {"resources": parsed}
+    return config
 
 
 def run_serve(args: Any) -> int:

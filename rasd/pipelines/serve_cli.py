@@ -26,6 +26,15 @@ def register(subparsers: Any) -> Any:
     p.add_argument("--threads", type=int, default=None, help="torch threads of the replica (default: all cores)")
     p.add_argument("--retrieval-shards", type=int, default=0,
                    help="serve the index from this many RetrievalShard actors (by segment; 0 = in the replica)")
+    p.add_argument("--draft-workers", type=int, default=0,
+                   help="run the `rasd` method's draft model in this many DraftWorker actors, named rasd-draft-<i> "
+                        "in Ray namespace `rasd` (0 = in the replica); a dead or slow worker means no draft, "
+                        "same tokens")
+    p.add_argument("--draft-worker-model", default=None,
+                   help="the draft workers' model (default: --draft-model, else `eesd:<--model>`, the EESD "
+                        "self-draft, which needs `rasd train eesd`)")
+    p.add_argument("--draft-worker-resources", default=None, metavar="JSON",
+                   help='Ray custom resources each draft worker needs, e.g. \'{"rasd_draft": 1}\'')
     p.add_argument("--detach", action="store_true",
                    help="deploy on a local Ray cluster (started if needed) and return; `rasd serve --stop` ends it")
     p.add_argument("--stop", action="store_true", help="shut down a detached service and its local Ray cluster")

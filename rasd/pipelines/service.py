@@ -24,6 +24,7 @@ from rasd.decoding.proposers import METHODS, RecyclingMatrix
 from rasd.decoding.proposers.recycling import matrix_path
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.scheduler import Overloaded, Scheduler
+from rasd.distributed.draft import EESD_PREFIX, DraftPool
 from rasd.pipelines.docqa import RETRIEVAL_METHODS, Source, fit_sources, scope_proposer
 from rasd.pipelines.metrics import ServiceMetrics
 from rasd.pipelines.openai_api import ApiError
@@ -48,6 +49,10 @@ class ServeConfig:
     max_tokens_limit: int = 1024          # the largest max_tokens a request may ask for
     max_prompt_tokens: int | None = None  # default: the model's context minus room for one token
     retrieval_shards: int = 0             # > 0: the index is served by this many RetrievalShard actors
+    draft_workers: int = 0                # > 0: `rasd` requests draft in this many DraftWorker actors
+    draft_worker_model: str | None = None  # their model; default draft_model, else "eesd:<model>" (self-draft)
+    draft_worker_options: dict[str, Any] = field(default_factory=dict)  # Ray actor options, e.g. resources
+    draft_timeout_s: float = 2.0          # a draft call slower than this counts as "no draft"
     api_key: str | None = None
     threads: int | None = None            # torch threads in the replica (Ray sets OMP_NUM_THREADS=1)
     served_model_name: str | None = None
@@ -92,6 +97,7 @@ class Service:
         self.draft = load_model(config.draft_model, device=config.device, dtype=config.dtype) \
             if config.draft_model else None
         self.index = self._open_index(config.index) if config.index else None
+        self.drafts = self._start_draft_workers() if config.draft_workers > 0 else None
         self.scheduler = Scheduler(self.target.model, max_batch=config.max_batch, max_waiting=config.max_waiting,
                                    threads=config.threads)
         self.metrics = ServiceMetrics(self.scheduler.load)
@@ -114,6 +120,24 @@ class Service:
             index = Index.open(path)
         check_tokenizer(index.manifest, self.target)
         return index
+
+    def draft_worker_spec(self) -> str:
+        """What the draft workers load: the configured model, the draft model, else the EESD self-draft."""
+        return self.config.draft_worker_model or self.config.draft_model or f"{EESD_PREFIX}{self.config.model}"
+
+    def _start_draft_workers(self) -> DraftPool:
+        """Named `rasd-draft-<i>` actors in namespace `rasd` (see rasd/distributed/draft.py)."""
+        spec = self.draft_worker_spec()
+        if spec.startswith(EESD_PREFIX):
+            from rasd.decoding.proposers.early_exit import eesd_path
+
+            weights = eesd_path(spec[len(EESD_PREFIX):] or "default")
+            if not weights.exists():   # fail before starting actors that could only fail to load
+                raise ValueError(f"draft workers host the EESD self-draft, whose exit layer {weights} is "
+                                 f"missing: run `rasd train eesd --model {self.config.model} --data builtin`, "
+                                 f"or give draft_worker_model / draft_model")
+        return DraftPool(spec, self.config.draft_workers, self.config.draft_worker_options,
+                         device=self.config.device, dtype=self.config.dtype, timeout_s=self.config.draft_timeout_s)
 
     # ------------------------------------------------------------------ validation
     def check_model(self, name: str | None) -> None:
@@ -209,7 +233,10 @@ class Service:
         extra = {"datastores": datastores} if datastores is not None else {}
         if p.method in RECYCLING_METHODS:
             extra["recycling"] = self.recycling
-        decoder = build_decoder(self.target, p.method, draft=self.draft, **extra)
+        draft = self.draft
+        if p.method == "rasd" and self.drafts is not None:   # the draft runs in a worker, not here
+            extra["draft_proposer"], draft = self.drafts.remote_draft(), None
+        decoder = build_decoder(self.target, p.method, draft=draft, **extra)
         warm_start(decoder.sizer, self._warm.get(p.method))
         if p.sources and self.index is not None:
             scope_proposer(decoder.proposer, self.index, p.sources)
@@ -230,8 +257,10 @@ class Service:
         try:
             ticket = self.scheduler.submit(stream, sink)
         except Overloaded as exc:
+            finish_draft(stream)
             raise ApiError(429, f"the service is at capacity: {exc}", "rate_limit_error") from exc
         except ValueError as exc:
+            finish_draft(stream)
             raise ApiError(400, str(exc)) from exc
         finished, seen = False, 0
         try:
@@ -257,6 +286,7 @@ class Service:
         finally:
             if not finished:
                 self.scheduler.cancel(ticket)
+            finish_draft(stream)
 
     def save_recycling(self) -> None:
         """Persist the recycling matrix (atomic: a crash mid-save keeps the previous file)."""
@@ -276,7 +306,8 @@ class Service:
                 "docqa_method": self.config.docqa_method, "methods": list(METHODS),
                 "max_tokens_limit": self.config.max_tokens_limit,
                 "index": None if index is None else {"num_documents": index.num_documents,
-                                                     "num_chunks": index.num_chunks}}
+                                                     "num_chunks": index.num_chunks},
+                "draft_workers": None if self.drafts is None else self.drafts.stats()}
 
     # ------------------------------------------------------------------ documents
     def add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -301,10 +332,19 @@ class Service:
     def close(self) -> None:
         """Replica shutdown: stop the scheduler, keep what was recycled for the next start."""
         self.scheduler.close()
+        if self.drafts is not None:
+            self.drafts.close()
         try:
             self.save_recycling()
         except OSError:
             pass   # a read-only home must not turn a clean shutdown into a crash
+
+
+def finish_draft(stream: Any) -> None:
+    """Free a finished request's draft state on its draft worker (a no-op for in-process drafts)."""
+    finish = getattr(getattr(stream.decoder.proposer, "draft", None), "finish", None)
+    if callable(finish):
+        finish()
 
 
 def default_threads() -> int:
