@@ -45,7 +45,7 @@ def test_update_writes_the_top_k_of_every_node_last_write_wins() -> None:
     m.update([3, 4, 3], logits)
     assert m.tokens[3].tolist() == [3, 5] and m.tokens[4].tolist() == [0, 4]
     assert m.tokens[0].tolist() == [-1, -1] and not m.known(0) and m.known(4)
-    expected = torch.softmax(logits[1], -1)[[0, 4]]
+    expected = torch.softmax(logits[1, [0, 4]], -1)          # renormalised over the kept top k
     torch.testing.assert_close(m.probs[4].float(), expected, atol=1e-3, rtol=0)
     root = m.root_probs(4)
     assert root is not None and root.shape == (6,) and root[1] == 0 and root[0] > 0.5

@@ -2,7 +2,8 @@
 
 Every verification forward computes the target's full next-token distribution at EVERY tree node, accepted
 or not; plain decoding throws all but one token of it away. Token Recycling keeps, for each token id `t`,
-the target's top-k next tokens (and their probabilities) the last time `t` was verified anywhere:
+the target's top-k next tokens (and their probabilities, renormalised over those k) the last time `t` was
+verified anywhere:
 
     adjacency [vocab, k] int32 (-1 = never seen),   probs [vocab, k] float16.
 
@@ -59,12 +60,15 @@ class RecyclingMatrix:
 
         node_tokens [T]: the token at each verified node; logits [T, vocab]: the target's logits there
         (logits[i] predicts what follows node i). A token occurring twice keeps its last row.
+
+        The stored probabilities are the softmax over the k kept logits, not over the vocabulary: the full
+        normaliser (a logsumexp over [T, vocab]) cost as much as the top-k itself on this CPU, every step, for
+        scores that only rank tree nodes (the verifier decides acceptance). They overstate a flat row's mass.
         """
         if not node_tokens:
             return
-        logits = logits[: len(node_tokens)].float()
-        top = logits.topk(self.k, dim=-1)                                   # [T, k]
-        probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+        top = logits[: len(node_tokens)].topk(self.k, dim=-1)               # [T, k]
+        probs = top.values.float().softmax(dim=-1)                          # renormalised over the top k
         rows = torch.tensor(node_tokens, dtype=torch.long)
         with self._lock:
             self.tokens[rows] = top.indices.to(torch.int32).cpu()
