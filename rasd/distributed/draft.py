@@ -45,6 +45,11 @@ MAX_REQUESTS = 256          # per-request states a worker keeps (least recently 
 START_TIMEOUT_S = 600.0     # loading a model on a busy node can take minutes
 
 
+def eesd_target(spec: str) -> str | None:
+    """The target model named by an `eesd:<target>` spec ("default" when empty); None for other specs."""
+    return (spec[len(EESD_PREFIX):] or "default") if spec.startswith(EESD_PREFIX) else None
+
+
 def load_draft_model(spec: str, device: str = "cpu", dtype: str = "float32", eesd: str | None = None
                      ) -> torch.nn.Module:
     """The draft LM for a spec: a hub id / local path, or `eesd:<target>` for the target's self-draft.
@@ -55,13 +60,27 @@ def load_draft_model(spec: str, device: str = "cpu", dtype: str = "float32", ees
     """
     from rasd.decoding.models import load_model
 
-    if spec.startswith(EESD_PREFIX):
+    target_name = eesd_target(spec)
+    if target_name is not None:
         from rasd.decoding.proposers.early_exit import load_early_exit
 
-        target_name = spec[len(EESD_PREFIX):] or "default"
         target = load_model(target_name, device=device, dtype=dtype)
         return load_early_exit(target.model, eesd, target_name)
     return load_model(spec, device=device, dtype=dtype).model
+
+
+def check_spec(spec: str) -> None:
+    """Fail before any actor starts when the spec is the EESD self-draft and its trained weights are missing
+    (workers could only fail to load them, one restart after another)."""
+    target = eesd_target(spec)
+    if target is None:
+        return
+    from rasd.decoding.proposers.early_exit import eesd_path
+
+    if not eesd_path(target).exists():
+        raise ValueError(f"draft workers without a draft model host the EESD self-draft, whose exit layer "
+                         f"{eesd_path(target)} is missing: run `rasd train eesd --model {target} --data builtin`, "
+                         f"or give a draft model (--draft-model / --draft-worker-model)")
 
 
 def node_id() -> str | None:

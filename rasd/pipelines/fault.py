@@ -242,24 +242,25 @@ def replaced(selector: Callable[[ActorInfo], bool], before: list[ActorInfo], kil
 # ---------------------------------------------------------------------------------------------- HTTP helpers
 
 
-def healthy(url: str) -> bool:
+def healthz(url: str) -> dict[str, Any] | None:
+    """The service's `/healthz` body, or None when it does not answer 200 (down, restarting)."""
     import httpx
 
     try:
-        return httpx.get(f"{url.rstrip('/')}/healthz", timeout=5.0).status_code == 200
-    except httpx.HTTPError:
-        return False
+        response = httpx.get(f"{url.rstrip('/')}/healthz", timeout=5.0)
+        return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def healthy(url: str) -> bool:
+    return healthz(url) is not None
 
 
 def in_flight(url: str) -> int:
     """Requests the replica is running or queueing (0 when it does not answer)."""
-    import httpx
-
-    try:
-        body = httpx.get(f"{url.rstrip('/')}/healthz", timeout=5.0).json()
-        return int(body.get("running", 0)) + int(body.get("waiting", 0))
-    except (httpx.HTTPError, ValueError):
-        return 0
+    body = healthz(url) or {}
+    return int(body.get("running", 0)) + int(body.get("waiting", 0))
 
 
 def drill_document(cfg: FaultConfig, phase: str, i: int) -> dict[str, str]:

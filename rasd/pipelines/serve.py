@@ -302,13 +302,13 @@ def draft_worker_config(args: Any) -> dict[str, Any]:
     if workers < 0:
         raise CliError("--draft-workers must be >= 0")
     worker_model = getattr(args, "draft_worker_model", None)
-    if workers and not (worker_model or args.draft_model):   # the EESD self-draft: trained weights needed
-        from rasd.decoding.proposers.early_exit import eesd_path
+    if workers:
+        from rasd.distributed.draft import EESD_PREFIX, check_spec
 
-        if not eesd_path(args.model).exists():
-            raise CliError(f"--draft-workers without --draft-model hosts the EESD self-draft, whose exit layer "
-                           f"{eesd_path(args.model)} is missing: run `rasd train eesd --model {args.model} --data "
-                           f"builtin`, or pass --draft-model / --draft-worker-model")
+        try:
+            check_spec(worker_model or args.draft_model or f"{EESD_PREFIX}{args.model}")
+        except ValueError as exc:
+            raise CliError(str(exc)) from exc
     config: dict[str, Any] = {"draft_workers": workers, "draft_worker_model": worker_model}
     resources = getattr(args, "draft_worker_resources", None)
     if resources:

@@ -24,7 +24,7 @@ from rasd.decoding.proposers import METHODS, RecyclingMatrix
 from rasd.decoding.proposers.recycling import matrix_path
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.scheduler import Overloaded, Scheduler
-from rasd.distributed.draft import EESD_PREFIX, DraftPool
+from rasd.distributed.draft import EESD_PREFIX, DraftPool, check_spec
 from rasd.pipelines.docqa import RETRIEVAL_METHODS, Source, fit_sources, scope_proposer
 from rasd.pipelines.metrics import ServiceMetrics
 from rasd.pipelines.openai_api import ApiError
@@ -128,14 +128,7 @@ class Service:
     def _start_draft_workers(self) -> DraftPool:
         """Named `rasd-draft-<i>` actors in namespace `rasd` (see rasd/distributed/draft.py)."""
         spec = self.draft_worker_spec()
-        if spec.startswith(EESD_PREFIX):
-            from rasd.decoding.proposers.early_exit import eesd_path
-
-            weights = eesd_path(spec[len(EESD_PREFIX):] or "default")
-            if not weights.exists():   # fail before starting actors that could only fail to load
-                raise ValueError(f"draft workers host the EESD self-draft, whose exit layer {weights} is "
-                                 f"missing: run `rasd train eesd --model {self.config.model} --data builtin`, "
-                                 f"or give draft_worker_model / draft_model")
+        check_spec(spec)
         return DraftPool(spec, self.config.draft_workers, self.config.draft_worker_options,
                          device=self.config.device, dtype=self.config.dtype, timeout_s=self.config.draft_timeout_s)
 
@@ -151,10 +144,7 @@ class Service:
         if method in RETRIEVAL_METHODS and self.index is None:
             raise ApiError(400, f"method {method!r} drafts from an index; start the service with --index",
                            param="method")
-        if method == "draft" and self.draft is None:
-            raise ApiError(400, "method 'draft' needs a draft model; start the service with --draft-model",
-                           param="method")
-        if method in ("optree",) and self.draft is None:
+        if method in ("draft", "optree") and self.draft is None:
             raise ApiError(400, f"method {method!r} needs a draft model; start the service with --draft-model",
                            param="method")
         if method in ("eesd", "adaeagle"):
