@@ -22,7 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
+from rasd.decoding.batch_sizing import BatchSizer
 from rasd.decoding.cache import GrowableLayer, TreeCache
+from rasd.decoding.control import CostAwareSizer
+from rasd.decoding.cost import CostCurve
 from rasd.decoding.engine import GenerationStream
 from rasd.decoding.kernels import fast_kernels
 from rasd.decoding.tree import DraftTree
@@ -137,13 +140,14 @@ def batch_inputs(trees: Sequence[DraftTree], row_lengths: Sequence[int], past_le
 class BatchDecoder:
     """Steps many `GenerationStream`s together: per-request proposing and committing, one shared forward."""
 
-    def __init__(self, model: torch.nn.Module, fast: bool = True, max_batch_tokens: int = 64):
+    def __init__(self, model: torch.nn.Module, fast: bool = True, max_batch_tokens: int = 128):
         self.model = model
         self.fast = fast
         # Rows are padded to the largest tree, so one big tree makes every row pay for it: with several
-        # requests, each row gets an equal share of this many tree tokens per forward (the single-request
-        # sizer alone decides when the batch holds one request).
+        # requests one width is chosen for the whole step (`batch_sizing`), never more than this many tree
+        # tokens in all; the single-request sizer alone decides when the batch holds one request.
         self.max_batch_tokens = max_batch_tokens
+        self.sizer = BatchSizer(max_tokens=max_batch_tokens)
         self.cache = BatchCache.for_model(model)
         self.streams: list[GenerationStream] = []
         self.device = next(model.parameters()).device
@@ -182,25 +186,51 @@ class BatchDecoder:
             return self._step()
 
     def _step(self) -> list[tuple[GenerationStream, list[int]]]:
-        proposals = [stream.propose() for stream in self.streams]
+        t0 = time.perf_counter()
+        batched = len(self.streams) > 1
+        proposals = [stream.propose(batched=batched) for stream in self.streams]
         stopped = [b for b, (tree, _) in enumerate(proposals) if tree is None]   # reached the model's context
         results: list[tuple[GenerationStream, list[int]]] = [(self.streams[b], []) for b in stopped]
         self._drop(stopped)
-        proposals = [p for p in proposals if p[0] is not None]
-        if len(proposals) > 1:
-            share = max(1, self.max_batch_tokens // len(proposals))   # tree tokens per row, root included
-            # trees holding sampled (q) nodes are left whole: cutting them by score would bias sampling
-            proposals = [(tree if tree.q else tree.top_nodes(share - 1), s) for tree, s in proposals]
+        trees = [tree for tree, _ in proposals if tree is not None]
+        draft_s = [s for tree, s in proposals if tree is not None]
+        curve = self._curve() if len(trees) > 1 else None
+        if batched:
+            trees = self._size(trees, curve)
         if self.streams:
-            results += self._verify_and_commit([p[0] for p in proposals], [p[1] for p in proposals])
+            forward_s = [0.0]
+            results += self._verify_and_commit(trees, draft_s, forward_s)
+            if curve is not None:
+                overhead = time.perf_counter() - t0 - forward_s[0]
+                self.sizer.observe(curve, len(trees), max(len(t) for t in trees), self._context_sum(),
+                                   forward_s[0], overhead)
         self._drop([b for b, stream in enumerate(self.streams) if stream.reason is not None])
         for stream, _ in results:
             if stream.reason is not None and stream.output is None:
                 stream.finish()
         return results
 
-    def _verify_and_commit(self, trees: list[DraftTree], draft_s: list[float]
+    def _curve(self) -> CostCurve | None:
+        """The single-row cost curve at the batch's mean context (None when no row sizes by cost)."""
+        sizers = [s.decoder.sizer for s in self.streams if isinstance(s.decoder.sizer, CostAwareSizer)]
+        if not sizers:
+            return None
+        return sizers[0].curve_for(self._context_sum() // len(self.streams))
+
+    def _context_sum(self) -> int:
+        return sum(len(stream.context) for stream in self.streams)
+
+    def _size(self, trees: list[DraftTree], curve: CostCurve | None) -> list[DraftTree]:
+        """One width for the step (`batch_sizing`); without any cost-aware row, an equal share per row."""
+        if curve is not None:
+            return self.sizer.cut(trees, [s.decoder.sizer for s in self.streams], curve, self._context_sum())
+        share = max(1, self.max_batch_tokens // len(trees))
+        # trees holding sampled (q) nodes are left whole: cutting them by score would bias sampling
+        return [tree if tree.q else tree.top_nodes(share - 1) for tree in trees]
+
+    def _verify_and_commit(self, trees: list[DraftTree], draft_s: list[float], forward_s: list[float]
                            ) -> list[tuple[GenerationStream, list[int]]]:
+        """One forward over every row's tree, then each row's verdict and commit; `forward_s[0]` gets its time."""
         cache = self.cache
         past_len = cache.get_seq_length()
         param = next(self.model.parameters())
@@ -208,6 +238,7 @@ class BatchDecoder:
         ids, pos, mask = batch_inputs(trees, cache.row_lengths, past_len, param.dtype, param.device)
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
                          **cache_kwargs(self.model, cache))
+        forward_s[0] = time.perf_counter() - t0
         logits = out.logits.float()   # [B, T, vocab]
         verdicts: list[Verdict] = []
         for b, (stream, tree) in enumerate(zip(self.streams, trees, strict=True)):
@@ -218,7 +249,8 @@ class BatchDecoder:
                 verdicts.append(accept_sampling(tree, row, stream.sampling, stream.gen))
         cache.keep_rows(past_len, [[0, *v.accepted] for v in verdicts])
         verify_s = (time.perf_counter() - t0) / len(trees)   # each request's share of the shared forward
-        return [(stream, stream.commit(tree, verdict, logits[b, : len(tree)], draft_s[b], verify_s))
+        own = len(trees) == 1
+        return [(stream, stream.commit(tree, verdict, logits[b, : len(tree)], draft_s[b], verify_s, own))
                 for b, (stream, tree, verdict) in enumerate(zip(self.streams, trees, verdicts, strict=True))]
 
     def _drop(self, rows: list[int]) -> None:

@@ -186,10 +186,11 @@ class GenerationStream:
         self.stats.prefill_time_s = time.perf_counter() - self._t_start
         return [first]
 
-    def propose(self) -> tuple[DraftTree | None, float]:
+    def propose(self, batched: bool = False) -> tuple[DraftTree | None, float]:
         """The tree to verify next (root = last committed token) and the time spent making it.
 
-        None when the request has reached the model's context and must stop.
+        None when the request has reached the model's context and must stop. `batched`: a batch sizes this
+        tree together with the other rows (`batch_sizing`), so a cost-aware sizer leaves it uncut here.
         """
         dec = self.decoder
         if len(self.context) >= dec.max_context:
@@ -202,12 +203,17 @@ class GenerationStream:
             self.plain_step_s = dec.sizer.curve_for(len(self.context)).latency(1)
         tree = dec.proposer.propose(self.context, budget) if budget > 0 else DraftTree.root_only(self.context[-1])
         self.stats.pruned_nodes += tree.pruned
-        tree = dec.sizer.cut(tree, len(self.context)).top_nodes(max(budget, 0))
-        return tree, time.perf_counter() - t0
+        if not (batched and isinstance(dec.sizer, CostAwareSizer)):
+            tree = dec.sizer.cut(tree, len(self.context))
+        return tree.top_nodes(max(budget, 0)), time.perf_counter() - t0
 
     def commit(self, tree: DraftTree, verdict: Verdict, logits: torch.Tensor, draft_s: float,
-               verify_s: float) -> list[int]:
-        """Apply a verdict: cut at stop conditions, record statistics, let proposer and sizer learn."""
+               verify_s: float, own_forward: bool = True) -> list[int]:
+        """Apply a verdict: cut at stop conditions, record statistics, let proposer and sizer learn.
+
+        `own_forward` is False when the tree was verified in a batch: `verify_s` is then this row's share
+        of a shared forward, which must not teach the single-request sizer what a tree of this size costs.
+        """
         dec, stats = self.decoder, self.stats
         t2 = time.perf_counter()
         block, self.reason = self.checker.cut(self.generated, verdict.new_tokens(tree))
@@ -219,7 +225,7 @@ class GenerationStream:
         self.generated += block
         dec.proposer.observe(self.context, tree, verdict, logits)
         overhead = draft_s + (time.perf_counter() - t2)
-        dec.sizer.observe(tree, verdict.accepted, overhead, verify_s=verify_s)
+        dec.sizer.observe(tree, verdict.accepted, overhead, verify_s=verify_s if own_forward else None)
         stats.draft_time_s += draft_s
         stats.verify_time_s += verify_s
         stats.bookkeeping_time_s += time.perf_counter() - t2

@@ -6,6 +6,7 @@ index never touches a model hub unless a person names a hub model.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -30,9 +31,21 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@lru_cache(maxsize=4)
+_LOAD_LOCK = threading.Lock()
+
+
 def load_embedder(name: str) -> Any:
-    """The SentenceTransformer for `name`, cached per process (queries reuse it; loading takes ~1 s)."""
+    """The SentenceTransformer for `name`, cached per process (queries reuse it; loading takes ~1 s).
+
+    Locked: a service's first concurrent requests would otherwise each load their own copy at once (eight
+    parallel loads of the embedder cost a cold Serve replica about five seconds of CPU).
+    """
+    with _LOAD_LOCK:
+        return _load_embedder(name)
+
+
+@lru_cache(maxsize=4)
+def _load_embedder(name: str) -> Any:
     from sentence_transformers import SentenceTransformer
     from transformers.utils import logging as hf_logging
 

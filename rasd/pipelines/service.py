@@ -107,7 +107,20 @@ class Service:
         self.recycling_path = matrix_path(self.target.name)
         self.recycling = RecyclingMatrix.load_or_new(self.recycling_path, vocab_size(self.target.model))
         self._finished = 0
+        self._warm_up()
         self.started = time.time()
+
+    def _warm_up(self) -> None:
+        """Load the query embedder and run the target once before the first request.
+
+        A fresh process pays for its first forward (allocator, kernel selection) and, lazily, for loading
+        the embedder: without this the first requests after a start are a second or more slower each.
+        """
+        if self.index is not None:
+            self._search("warm up", 1)
+        with torch.inference_mode():
+            ids = torch.tensor([self.encode_text("Warm up.")], device=self.target.model.device)
+            self.target.model(input_ids=ids)
 
     def _open_index(self, path: str) -> Any:
         from rasd.index.store import Index, check_tokenizer
