@@ -8,8 +8,10 @@ those promises on a real service, one phase per target:
 - `shard`: a `RetrievalShard` actor (the service runs with `--retrieval-shards N`). Shard actors are
   unnamed and owned by the replica, so no other process can get a handle for `ray.kill`; the script kills
   the actor's worker process (SIGKILL: what a crash looks like) and Ray restarts it (`max_restarts=-1`).
-- `verifier`: the Serve replica of `RasdServer` (it owns the target model and the batching scheduler),
-  killed with `ray.kill(handle, no_restart=False)`; Serve starts a new replica.
+- `verifier`: what owns the target model and the batching scheduler, killed with `ray.kill(handle,
+  no_restart=False)`: the `TargetVerifier` actor when the service runs with `--verifier-actor` (Ray restarts
+  it; requests in flight get a 503 from the replica, which lives on), else the Serve replica of `RasdServer`
+  (Serve starts a new replica; requests in flight get Serve's bare 500).
 - `draft`: a `DraftWorker` actor (`rasd-draft-<i>`, when the service has draft workers), `ray.kill` too;
   "skipped" when there is none.
 - `ingest`: no kill; documents are added while requests run.
@@ -187,11 +189,18 @@ def target_selector(phase: str, app: str) -> Callable[[ActorInfo], bool]:
     """Which live actors a phase may kill."""
     if phase == "shard":
         return lambda a: a.class_name.split(".")[-1] == "RetrievalShard"
-    if phase == "verifier":
+    if phase == "verifier":   # the TargetVerifier actor when the service has one, else the replica owns the target
+        if any(is_verifier_actor(a) for a in alive_actors()):
+            return is_verifier_actor
         return lambda a: a.class_name.startswith(f"ServeReplica:{app}:") and "RasdServer" in a.class_name
     if phase == "draft":
         return lambda a: a.class_name.split(".")[-1] == "DraftWorker"
     raise ValueError(f"phase {phase!r} kills nothing")
+
+
+def is_verifier_actor(actor: ActorInfo) -> bool:
+    """A `TargetVerifier` (`rasd serve --verifier-actor`): named rasd-verifier-<id> in namespace rasd."""
+    return actor.class_name.split(".")[-1] == "TargetVerifier"
 
 
 SKIP_NOTES = {"shard": "skipped: the service has no retrieval shards (start it with --retrieval-shards N)",

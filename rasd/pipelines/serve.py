@@ -104,7 +104,7 @@ class RasdServer:
 
     def check_health(self) -> None:
         """Serve restarts the replica when the scheduler thread has died."""
-        if not self.service.scheduler._thread.is_alive():
+        if not self.service.healthy():
             raise RuntimeError("the scheduler thread is not running")
 
     def _auth(self, request: Request) -> None:
@@ -133,10 +133,13 @@ class RasdServer:
     # ------------------------------------------------------------------ small endpoints
     @api.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
-        running, waiting = self.service.scheduler.load()
+        service = self.service
+        running, waiting = service.load()
         return {"status": "ok", "model": self.config.model_name, "running": running, "waiting": waiting,
-                "index": None if self.service.index is None else str(self.service.index.root),
-                "torch_threads": self.service.scheduler.loop_threads, "omp": os.environ.get("OMP_NUM_THREADS")}
+                "index": None if service.index is None else str(service.index.root),
+                "torch_threads": None if service.scheduler is None else service.scheduler.loop_threads,
+                "omp": os.environ.get("OMP_NUM_THREADS"),
+                "verifier": None if service.verifier is None else service.verifier.name}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
@@ -272,8 +275,10 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         raise ValueError(f"unknown serve config keys: {', '.join(unknown)}")
     args.setdefault("threads", default_threads())
     threads = int(args["threads"])
-    # the replica gets as many CPUs as it runs threads: Ray would otherwise pin it to one (OMP_NUM_THREADS=1)
-    return RasdServer.options(ray_actor_options={"num_cpus": threads}).bind(args)
+    # the process that decodes gets as many CPUs as it runs threads (Ray would otherwise pin it to one with
+    # OMP_NUM_THREADS=1): the replica itself, or with a verifier actor that actor (see rasd.distributed.verifier)
+    return RasdServer.options(ray_actor_options={"num_cpus": 0 if args.get("verifier_actor") else threads}
+                              ).bind(args)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -289,13 +294,47 @@ def config_from_args(args: Any) -> dict[str, Any]:
             "dtype": args.dtype, "method": args.method, "docqa_method": args.docqa_method,
             "max_batch": args.max_batch, "max_waiting": args.max_waiting, "max_tokens_limit": args.max_tokens_limit,
             "api_key": args.api_key, "threads": args.threads or default_threads(),
-            "retrieval_shards": getattr(args, "retrieval_shards", 0), **draft_worker_config(args)}
+            "retrieval_shards": getattr(args, "retrieval_shards", 0), **draft_worker_config(args),
+            **verifier_config(args)}
+
+
+def verifier_config(args: Any) -> dict[str, Any]:
+    """`--verifier-actor`, `--verifier-gpus`, `--verifier-resources` as ServeConfig keys (either of the
+    last two implies the first)."""
+    resources = parse_resources(getattr(args, "verifier_resources", None), "--verifier-resources",
+                                '{"rasd_verifier": 1}')
+    gpus = getattr(args, "verifier_gpus", None)
+    options: dict[str, Any] = {}
+    if gpus is not None:
+        from rasd.cli import CliError
+
+        if gpus < 0:
+            raise CliError("--verifier-gpus must be >= 0")
+        options["num_gpus"] = gpus
+    if resources:
+        options["resources"] = resources
+    return {"verifier_actor": bool(getattr(args, "verifier_actor", False) or options), "verifier_options": options}
+
+
+def parse_resources(text: str | None, flag: str, example: str) -> dict[str, float] | None:
+    """A JSON object of Ray custom resources from a CLI flag; a one-line CliError otherwise."""
+    import json
+
+    from rasd.cli import CliError
+
+    if not text:
+        return None
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{flag} is not JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise CliError(f"{flag} must be a JSON object, e.g. '{example}'")
+    return parsed
 
 
 def draft_worker_config(args: Any) -> dict[str, Any]:
     """The draft-worker keys of ServeConfig from `--draft-workers`, `--draft-worker-model/-resources`."""
-    import json
-
     from rasd.cli import CliError
 
     workers = getattr(args, "draft_workers", 0) or 0
@@ -310,14 +349,9 @@ def draft_worker_config(args: Any) -> dict[str, Any]:
         except ValueError as exc:
             raise CliError(str(exc)) from exc
     config: dict[str, Any] = {"draft_workers": workers, "draft_worker_model": worker_model}
-    resources = getattr(args, "draft_worker_resources", None)
-    if resources:
-        try:
-            parsed = json.loads(resources)
-        except json.JSONDecodeError as exc:
-            raise CliError(f"--draft-worker-resources is not JSON: {exc}") from exc
-        if not isinstance(parsed, dict):
-            raise CliError('--draft-worker-resources must be a JSON object, e.g. \'{"rasd_draft": 1}\'')
+    parsed = parse_resources(getattr(args, "draft_worker_resources", None), "--draft-worker-resources",
+                             '{"rasd_draft": 1}')
+    if parsed:
         config["draft_worker_options"] = {"resources": parsed}
     return config
 

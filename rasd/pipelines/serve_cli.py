@@ -35,6 +35,14 @@ def register(subparsers: Any) -> Any:
                         "self-draft, which needs `rasd train eesd`)")
     p.add_argument("--draft-worker-resources", default=None, metavar="JSON",
                    help='Ray custom resources each draft worker needs, e.g. \'{"rasd_draft": 1}\'')
+    p.add_argument("--verifier-actor", action="store_true",
+                   help="decode in a TargetVerifier actor apart from the HTTP replica (placement, clean 503 on "
+                        "its death)")
+    p.add_argument("--verifier-gpus", type=float, default=None, help="GPUs the verifier actor needs (implies "
+                   "--verifier-actor)")
+    p.add_argument("--verifier-resources", default=None, metavar="JSON",
+                   help='Ray custom resources of the verifier actor, e.g. \'{"rasd_verifier": 1}\' (implies '
+                        "--verifier-actor)")
     p.add_argument("--detach", action="store_true",
                    help="deploy on a local Ray cluster (started if needed) and return; `rasd serve --stop` ends it")
     p.add_argument("--stop", action="store_true", help="shut down a detached service and its local Ray cluster")

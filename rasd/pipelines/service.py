@@ -53,6 +53,8 @@ class ServeConfig:
     draft_worker_model: str | None = None  # their model; default draft_model, else "eesd:<model>" (self-draft)
     draft_worker_options: dict[str, Any] = field(default_factory=dict)  # Ray actor options, e.g. resources
     draft_timeout_s: float = 2.0          # a draft call slower than this counts as "no draft"
+    verifier_actor: bool = False          # decode in a TargetVerifier actor instead of the HTTP replica
+    verifier_options: dict[str, Any] = field(default_factory=dict)  # its Ray options (num_gpus, resources)
     api_key: str | None = None
     threads: int | None = None            # torch threads in the replica (Ray sets OMP_NUM_THREADS=1)
     served_model_name: str | None = None
@@ -87,40 +89,70 @@ class Prepared:
 class Service:
     """Target model + index + scheduler; request handling shared by every HTTP endpoint."""
 
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, decode_only: bool = False):
+        """`config.verifier_actor`: decoding runs in a `TargetVerifier` actor and this object keeps HTTP-side
+        work (validation, search, ingest). `decode_only`: this object *is* that actor's service."""
         from rasd.decoding.models import load_model
 
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
         self.target = load_model(config.model, device=config.device, dtype=config.dtype)
+        self.index = self._open_index(config.index) if config.index else None
+        self._ingest_lock = threading.Lock()
+        self._warm: dict[str, dict[str, Any]] = {}   # method -> what the last finished request's sizer learned
+        self._finished = 0
+        self.verifier: Any = None
+        self.draft = self.drafts = self.scheduler = self.recycling = None
+        if config.verifier_actor:
+            from rasd.distributed.verifier import RemoteVerifier
+
+            self.verifier = RemoteVerifier(config)
+        else:
+            self._start_decoding()
+        self.metrics = ServiceMetrics(self.load)
+        self._warm_up(search=not decode_only, forward=self.verifier is None)
+        self.started = time.time()
+
+    def _start_decoding(self) -> None:
+        """Draft model, draft workers, recycling matrix and the scheduler: what decodes requests here."""
+        from rasd.decoding.models import load_model
+
+        config = self.config
         self.draft = load_model(config.draft_model, device=config.device, dtype=config.dtype) \
             if config.draft_model else None
-        self.index = self._open_index(config.index) if config.index else None
         self.drafts = self._start_draft_workers() if config.draft_workers > 0 else None
         self.scheduler = Scheduler(self.target.model, max_batch=config.max_batch, max_waiting=config.max_waiting,
                                    threads=config.threads)
-        self.metrics = ServiceMetrics(self.scheduler.load)
-        self._ingest_lock = threading.Lock()
-        self._warm: dict[str, dict[str, Any]] = {}   # method -> what the last finished request's sizer learned
         # Token Recycling's matrix is shared by every request (hot start) and outlives the process on disk.
         self.recycling_path = matrix_path(self.target.name)
         self.recycling = RecyclingMatrix.load_or_new(self.recycling_path, vocab_size(self.target.model))
-        self._finished = 0
-        self._warm_up()
-        self.started = time.time()
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, search: bool, forward: bool) -> None:
         """Load the query embedder and run the target once before the first request.
 
         A fresh process pays for its first forward (allocator, kernel selection) and, lazily, for loading
         the embedder: without this the first requests after a start are a second or more slower each.
         """
-        if self.index is not None:
+        if search and self.index is not None:
             self._search("warm up", 1)
-        with torch.inference_mode():
-            ids = torch.tensor([self.encode_text("Warm up.")], device=self.target.model.device)
-            self.target.model(input_ids=ids)
+        if forward:
+            with torch.inference_mode():
+                ids = torch.tensor([self.encode_text("Warm up.")], device=self.target.model.device)
+                self.target.model(input_ids=ids)
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests, wherever they decode."""
+        return self.verifier.load() if self.verifier is not None else self.scheduler.load()
+
+    def healthy(self) -> bool:
+        """False when the local scheduler thread has died (a verifier actor is restarted by Ray itself)."""
+        return self.verifier is not None or self.scheduler._thread.is_alive()
+
+    def reopen_index(self) -> None:
+        """Serve the latest committed index state (after another process added documents)."""
+        if self.config.index:
+            self.index = self._open_index(self.config.index)
 
     def _open_index(self, path: str) -> Any:
         from rasd.index.store import Index, check_tokenizer
@@ -157,7 +189,7 @@ class Service:
         if method in RETRIEVAL_METHODS and self.index is None:
             raise ApiError(400, f"method {method!r} drafts from an index; start the service with --index",
                            param="method")
-        if method in ("draft", "optree") and self.draft is None:
+        if method in ("draft", "optree") and not self.config.draft_model:
             raise ApiError(400, f"method {method!r} needs a draft model; start the service with --draft-model",
                            param="method")
         if method in ("eesd", "adaeagle"):
@@ -250,6 +282,10 @@ class Service:
 
         With `sourced`, each block comes as a `TokenBlock` carrying every token's source.
         """
+        if self.verifier is not None:
+            async for event in self.verifier.events(p, sourced):
+                yield event
+            return
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -310,7 +346,9 @@ class Service:
                 "max_tokens_limit": self.config.max_tokens_limit,
                 "index": None if index is None else {"num_documents": index.num_documents,
                                                      "num_chunks": index.num_chunks},
-                "draft_workers": None if self.drafts is None else self.drafts.stats()}
+                "draft_workers": self.verifier.info()["draft_workers"] if self.verifier is not None
+                else None if self.drafts is None else self.drafts.stats(),
+                "verifier": None if self.verifier is None else self.verifier.name}
 
     # ------------------------------------------------------------------ documents
     def add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -329,11 +367,16 @@ class Service:
                 self.index.refresh()
                 index = self.index
             self.index = index
+            if self.verifier is not None:           # its token datastores must include the new segment
+                self.verifier.refresh_index()
         return {"added": index.num_documents - before, "num_documents": index.num_documents,
                 "num_chunks": index.num_chunks}
 
     def close(self) -> None:
         """Replica shutdown: stop the scheduler, keep what was recycled for the next start."""
+        if self.verifier is not None:
+            self.verifier.close()
+            return
         self.scheduler.close()
         if self.drafts is not None:
             self.drafts.close()
