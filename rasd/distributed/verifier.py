@@ -75,7 +75,10 @@ class RemoteVerifier:
         self.name = NAME_PREFIX + uuid.uuid4().hex[:8]
         self.retry_s = retry_s            # how long a request waits for a restarted verifier
         self.restarts_seen = 0            # requests re-sent after the verifier died under them
-        options = {"num_cpus": config.threads or 1, **config.verifier_options}
+        # like the draft workers and shards: no CPU reservation by default (torch threads are set explicitly,
+        # `--threads`), so the actor also starts where a replica or a test already holds the CPUs; placement
+        # comes from `verifier_options` (num_gpus, resources, or num_cpus when a person wants it)
+        options = {"num_cpus": 0, **config.verifier_options}
         self.actor = ray.remote(TargetVerifier).options(
             name=self.name, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
             max_concurrency=1000, **options).remote(config)

@@ -275,8 +275,8 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         raise ValueError(f"unknown serve config keys: {', '.join(unknown)}")
     args.setdefault("threads", default_threads())
     threads = int(args["threads"])
-    # the process that decodes gets as many CPUs as it runs threads (Ray would otherwise pin it to one with
-    # OMP_NUM_THREADS=1): the replica itself, or with a verifier actor that actor (see rasd.distributed.verifier)
+    # the replica gets as many CPUs as it runs threads (Ray would otherwise pin it to one, OMP_NUM_THREADS=1);
+    # with a verifier actor the replica only serves HTTP, and the actor sets its torch threads itself
     return RasdServer.options(ray_actor_options={"num_cpus": 0 if args.get("verifier_actor") else threads}
                               ).bind(args)
 
