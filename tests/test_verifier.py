@@ -49,10 +49,15 @@ def test_verifier_flags_reach_the_config_and_imply_the_actor() -> None:
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
+    """A local Ray for this module; shut down afterwards if this fixture started it (later modules start
+    their own)."""
     ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
+    if started:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

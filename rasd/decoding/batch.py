@@ -194,36 +194,35 @@ class BatchDecoder:
         self._drop(stopped)
         trees = [tree for tree, _ in proposals if tree is not None]
         draft_s = [s for tree, s in proposals if tree is not None]
-        curve = self._curve() if len(trees) > 1 else None
-        if batched:
-            trees = self._size(trees, curve)
         if self.streams:
+            context_sum = sum(len(stream.context) for stream in self.streams)
+            # proposed uncut when batched: sized here even if only one row is left this step
+            curve = self._curve(context_sum) if batched else None
+            if batched:
+                trees = self._size(trees, curve, context_sum)
             forward_s = [0.0]
             results += self._verify_and_commit(trees, draft_s, forward_s)
             if curve is not None:
                 overhead = time.perf_counter() - t0 - forward_s[0]
-                self.sizer.observe(curve, len(trees), max(len(t) for t in trees), self._context_sum(),
-                                   forward_s[0], overhead)
+                self.sizer.observe(curve, len(trees), max(len(t) for t in trees), context_sum, forward_s[0],
+                                   overhead)
         self._drop([b for b, stream in enumerate(self.streams) if stream.reason is not None])
         for stream, _ in results:
             if stream.reason is not None and stream.output is None:
                 stream.finish()
         return results
 
-    def _curve(self) -> CostCurve | None:
+    def _curve(self, context_sum: int) -> CostCurve | None:
         """The single-row cost curve at the batch's mean context (None when no row sizes by cost)."""
         sizers = [s.decoder.sizer for s in self.streams if isinstance(s.decoder.sizer, CostAwareSizer)]
         if not sizers:
             return None
-        return sizers[0].curve_for(self._context_sum() // len(self.streams))
+        return sizers[0].curve_for(context_sum // len(self.streams))
 
-    def _context_sum(self) -> int:
-        return sum(len(stream.context) for stream in self.streams)
-
-    def _size(self, trees: list[DraftTree], curve: CostCurve | None) -> list[DraftTree]:
+    def _size(self, trees: list[DraftTree], curve: CostCurve | None, context_sum: int) -> list[DraftTree]:
         """One width for the step (`batch_sizing`); without any cost-aware row, an equal share per row."""
         if curve is not None:
-            return self.sizer.cut(trees, [s.decoder.sizer for s in self.streams], curve, self._context_sum())
+            return self.sizer.cut(trees, [s.decoder.sizer for s in self.streams], curve, context_sum)
         share = max(1, self.max_batch_tokens // len(trees))
         # trees holding sampled (q) nodes are left whole: cutting them by score would bias sampling
         return [tree if tree.q else tree.top_nodes(share - 1) for tree in trees]

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rasd.decoding.control import CostAwareSizer
+from rasd.decoding.control import CostAwareSizer, rank_nodes
 from rasd.decoding.cost import CostCurve
 from rasd.decoding.tree import DraftTree
 
@@ -101,8 +101,7 @@ def plan_row(tree: DraftTree, sizer: object) -> RowPlan:
     if not isinstance(sizer, CostAwareSizer):
         return RowPlan(tree, [], [], list(range(1, len(tree))))
     probs = sizer.estimator.path_probs(tree)
-    sampled = sorted(tree.q)
-    ranked = sorted((i for i in range(1, len(tree)) if i not in tree.q), key=lambda i: (-probs[i], i))
+    sampled, ranked = rank_nodes(tree, probs)
     return RowPlan(tree, ranked, [probs[i] for i in ranked], sampled)
 
 

@@ -154,6 +154,19 @@ class FixedSizer:
         """Fixed sizing learns nothing."""
 
 
+def rank_nodes(tree: DraftTree, probs: list[float]) -> tuple[list[int], list[int]]:
+    """(sampled, ranked): the nodes drawn from q, and the deterministic ones by p̂, best first.
+
+    Nodes sampled from q are never dropped one by one: their estimates depend on the sampled token
+    (confidence = q(x)), and keeping x only for some values of x would bias the output distribution. The
+    proposer already sized them with `budget()`; only deterministic nodes are ranked and cut. p̂ only falls
+    along a path and ties go to the lower index (a parent's), so every prefix of `ranked` is prefix-closed.
+    """
+    sampled = sorted(tree.q)
+    ranked = sorted((i for i in range(1, len(tree)) if i not in tree.q), key=lambda i: (-probs[i], i))
+    return sampled, ranked
+
+
 class CostAwareSizer:
     """Choose the tree size that maximises expected tokens per second against the measured cost curve."""
 
@@ -195,11 +208,7 @@ class CostAwareSizer:
             return tree
         curve = self.curve_for(context_len)
         probs = self.estimator.path_probs(tree)
-        # Nodes sampled from q are never dropped one by one: their estimates depend on the sampled token
-        # (confidence = q(x)), and keeping x only for some values of x would bias the output distribution.
-        # The proposer already sized them with `budget()`; only deterministic nodes are ranked and cut.
-        sampled = sorted(tree.q)
-        ranked = sorted((i for i in range(1, len(tree)) if i not in tree.q), key=lambda i: (-probs[i], i))
+        sampled, ranked = rank_nodes(tree, probs)
         limit = min(len(ranked), max(self.budget(context_len) - len(sampled), 0))
         best_n, gain = 0, 1.0 + sum(probs[i] for i in sampled)
         base = len(sampled) + 1

@@ -54,15 +54,12 @@ class TargetVerifier:
     def load(self) -> tuple[int, int]:
         return self.service.load()
 
-    def healthy(self) -> bool:
-        return self.service.healthy()
-
     def refresh_index(self) -> None:
         """Documents were added by the replica: serve the datastores of the new committed index state."""
         self.service.reopen_index()
 
     def info(self) -> dict[str, Any]:
-        return {"draft_workers": self.service.info().get("draft_workers")}
+        return {"draft_workers": self.service.draft_stats()}
 
     def close(self) -> None:
         self.service.close()
@@ -74,7 +71,7 @@ class RemoteVerifier:
     def __init__(self, config: Any, timeout_s: float = 600.0, retry_s: float = 120.0):
         self.name = NAME_PREFIX + uuid.uuid4().hex[:8]
         self.retry_s = retry_s            # how long a request waits for a restarted verifier
-        self.restarts_seen = 0            # requests re-sent after the verifier died under them
+        self.requests_resent = 0            # requests re-sent after the verifier died under them
         # like the draft workers and shards: no CPU reservation by default (torch threads are set explicitly,
         # `--threads`), so the actor also starts where a replica or a test already holds the CPUs; placement
         # comes from `verifier_options` (num_gpus, resources, or num_cpus when a person wants it)
@@ -116,7 +113,7 @@ class RemoteVerifier:
                 if (sent and not replayable) or asyncio.get_running_loop().time() > deadline:
                     raise ApiError(503, "the verifier process stopped while decoding this request (Ray "
                                         "restarts it); retry the request", "service_unavailable") from exc
-                self.restarts_seen += 1
+                self.requests_resent += 1
                 await asyncio.sleep(0.5)      # Ray is restarting the actor; calls made now queue behind it
 
     async def _stream(self, prepared: Any, sourced: bool) -> AsyncIterator[tuple[str, Any]]:
@@ -165,7 +162,7 @@ class RemoteVerifier:
             info = ray.get(self.actor.info.remote(), timeout=5.0)
         except Exception:   # noqa: BLE001
             info = {"draft_workers": None}
-        return {"name": self.name, "requests_resent": self.restarts_seen, **info}
+        return {"name": self.name, "requests_resent": self.requests_resent, **info}
 
     def close(self) -> None:
         """Let the verifier save its recycling matrix, then stop it."""

@@ -346,9 +346,14 @@ class Service:
                 "max_tokens_limit": self.config.max_tokens_limit,
                 "index": None if index is None else {"num_documents": index.num_documents,
                                                      "num_chunks": index.num_chunks},
-                "draft_workers": self.verifier.info()["draft_workers"] if self.verifier is not None
-                else None if self.drafts is None else self.drafts.stats(),
+                "draft_workers": self.draft_stats(),
                 "verifier": None if self.verifier is None else self.verifier.name}
+
+    def draft_stats(self) -> dict[str, Any] | None:
+        """The draft workers' counters wherever they run (in the verifier actor, or here); None without any."""
+        if self.verifier is not None:
+            return self.verifier.info()["draft_workers"]
+        return None if self.drafts is None else self.drafts.stats()
 
     # ------------------------------------------------------------------ documents
     def add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
