@@ -125,12 +125,12 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
 
 def load_target(args: argparse.Namespace) -> tuple[Any, Any]:
     """Target and optional draft model, turning load failures into one-line errors."""
-    from rasd.decoding.models import ModelLoadError, load_model
+    from rasd.decoding.models import ModelLoadError, load_draft, load_model
 
     try:
         target = load_model(args.model, device=args.device, dtype=args.dtype)
-        draft = load_model(args.draft_model, device=args.device, dtype=args.dtype) if args.draft_model else None
-    except ModelLoadError as exc:
+        draft = load_draft(args.draft_model, target, getattr(args, "eesd", None))
+    except (ModelLoadError, ValueError) as exc:
         raise CliError(str(exc)) from exc
     return target, draft
 
@@ -139,17 +139,20 @@ def validate_method(method: str, draft_model: str | None) -> None:
     """Fail before loading any model when the method cannot run."""
     if method not in METHODS:
         raise CliError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method in ("draft", "optree") and not draft_model:
-        raise CliError(f"method {method!r} needs --draft-model (a small model sharing the target's tokenizer)")
+    if method == "draft" and not draft_model:
+        raise CliError("method 'draft' needs --draft-model (a small model sharing the target's tokenizer, or `eesd` "
+                       "for the target's own early-exit draft)")
 
 
 def check_trained(method: str, model: str, sizing: str, draft_model: str | None, eesd: str | None = None,
                   ldlp: str | None = None) -> None:
     """Fail before loading any model when `eesd` / `adaeagle` / `--sizing ldlp` lack trained weights."""
     from rasd.decoding.ldlp import ldlp_path
+    from rasd.decoding.models import is_self_draft
     from rasd.decoding.proposers.early_exit import eesd_path
 
-    self_draft = method == "eesd" or (method == "adaeagle" and not draft_model)
+    self_draft = (method == "eesd" or is_self_draft(draft_model)
+                  or (method in ("adaeagle", "optree") and not draft_model))
     if self_draft:
         file = Path(eesd) if eesd else eesd_path(model)
         if not file.exists():

@@ -27,7 +27,7 @@ from rasd.decoding.proposers.early_exit import (
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.tree import DraftTree
 from rasd.train.eesd import distill_loss, train_eesd
-from tests.conftest import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
+from tests.conftest import TINY_VOCAB, assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,7 +124,8 @@ def test_distill_loss_is_cross_entropy_to_the_teacher() -> None:
 def test_train_eesd_function_reports_agreement() -> None:
     target = tiny_llama(0)
     prompts = torch.stack([torch.tensor(random_prompt(8, i)) for i in range(24)])
-    layer, report = train_eesd(target, prompts, layers=1, gen_tokens=12, steps=3, batch=4)
+    layer, vocab, report = train_eesd(target, prompts, layers=1, gen_tokens=12, steps=3, batch=4)
+    assert vocab is None and report["draft_vocab"] == TINY_VOCAB and report["vocab_coverage"] == 1.0
     assert report["layers"] == 1 and 0.0 <= report["agreement"] <= 1.0
     assert report["agreement_before"] == 1.0     # layer 1 copied from a 2-layer target: exact
     assert not any(p.grad is not None for p in target.parameters())   # only the exit layer learns
@@ -166,13 +167,144 @@ def test_train_eesd_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,
     out = tmp_path / "eesd" / "tiny.safetensors"
     rc = main(["train", "eesd", "--model", str(tiny_model_dir), "--data", str(prompt_file(tmp_path)),
                "--out", str(out), "--steps", "4", "--seqs", "12", "--prompt-tokens", "8", "--gen-tokens", "10",
-               "--batch", "4"])
+               "--batch", "4", "--draft-vocab", "40"])
     assert rc == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["layers"] == 1 and report["sequences"] == 12 and 0.0 <= report["agreement"] <= 1.0
+    assert report["draft_vocab"] == 40 and 0.0 < report["vocab_coverage"] <= 1.0
     assert "held-out top-1 agreement" in capsys.readouterr().err
     assert out.stat().st_size < 2_000_000
     rc = main(["generate", "--model", str(tiny_model_dir), "--method", "eesd", "--eesd", str(out), "--prompt",
                "the quick brown fox", "--max-new-tokens", "8", "--sizing", "fixed", "--json"])
     assert rc == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
+
+
+def subset_exit_file(tmp_path: Path, target: torch.nn.Module, vocab: torch.Tensor, noise: float = 0.0) -> Path:
+    layer = new_exit_layer(target, 1)
+    if noise:
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.add_(noise * torch.randn(p.shape, generator=gen))
+    path = tmp_path / "subset.safetensors"
+    save_exit_layer(path, layer, 1, vocab=vocab)
+    return path
+
+
+def test_subset_head_masks_the_rest_of_the_vocabulary(tmp_path: Path) -> None:
+    target = tiny_llama(0)
+    vocab = torch.arange(0, TINY_VOCAB, 3)
+    draft = load_early_exit(target, subset_exit_file(tmp_path, target, vocab))
+    x = torch.tensor([random_prompt(9, 3)])
+    with torch.no_grad():
+        full, part = target(x).logits, draft(x).logits            # exit = target's layer 1: same hidden state
+    outside = torch.ones(TINY_VOCAB, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isinf(part[..., outside]).all() and (part[..., outside] < 0).all()
+    assert torch.allclose(part[..., vocab], full[..., vocab], atol=1e-5)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.5])
+def test_subset_eesd_greedy_equals_hf(tmp_path: Path, noise: float) -> None:
+    """Tokens outside the draft vocabulary are never drafted, yet the output is still the target's."""
+    target = tiny_llama(1)
+    vocab = torch.arange(0, TINY_VOCAB, 2)
+    proposer = make_proposer("eesd", target_model=target, eesd=subset_exit_file(tmp_path, target, vocab, noise))
+    decoder = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16))
+    for length in (3, 20):
+        prompt = random_prompt(length, length)
+        out = decoder.generate(prompt, max_new_tokens=25)
+        assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 25), f"subset noise={noise}")
+    proposer.start(random_prompt(5, 0), SamplingParams(temperature=0.9, seed=1))
+    tree = proposer.propose(random_prompt(5, 0), 6)
+    for node, q in tree.q.items():   # sampled nodes: q is a distribution over the draft vocabulary only
+        assert tree.tokens[node] % 2 == 0 and float(q[1::2].sum()) == 0.0 and abs(float(q.sum()) - 1) < 1e-5
+
+
+def test_distill_loss_sends_tokens_outside_the_draft_vocabulary_to_the_tail() -> None:
+    logits = torch.tensor([[[2.0, 0.0, -1.0]]])            # the student's 3-token vocabulary
+    lp = torch.tensor([0.5, 0.3, 0.1]).log()                 # teacher top-3; the 2nd is outside (-1)
+    ids = torch.tensor([0, -1, 1])
+    loss = distill_loss(logits, lp[None, None], ids[None, None], torch.ones(1, 1, dtype=torch.bool))
+    logq = logits[0, 0].log_softmax(-1)
+    tail = torch.log(logq[2].exp())                          # mass the student puts outside the teacher's top ids
+    expected = -(0.5 * logq[0] + 0.1 * logq[1] + (1 - 0.6) * tail)
+    assert torch.isclose(loss, expected, atol=1e-5)
+
+
+def test_draft_vocabulary_ranks_the_targets_expected_counts() -> None:
+    from rasd.train.common import SelfGenerated
+    from rasd.train.eesd import coverage, draft_vocabulary, to_draft_ids
+
+    # 2 sequences, prompt 1 token, 3 generated; teacher top-2 per position
+    tokens = torch.tensor([[9, 1, 2, 3], [9, 1, 1, 4]])
+    ids = torch.tensor([[[1, 5], [2, 5], [3, 6]], [[1, 6], [1, 6], [4, 5]]], dtype=torch.int32)
+    logp = torch.tensor([[[0.9, 0.1], [0.6, 0.4], [0.7, 0.3]], [[0.8, 0.2], [0.5, 0.5], [0.6, 0.4]]]).log()
+    data = SelfGenerated(tokens=tokens, valid=torch.ones_like(tokens, dtype=torch.bool), prompt_len=1,
+                         teacher_logp=logp.half(), teacher_ids=ids)
+    rows = torch.tensor([0, 1])
+    vocab = draft_vocabulary(data, rows, 3, 10, always={7})
+    # expected counts: token 1 = .9+.8+.5 = 2.2, token 5 = .1+.4+.4 = .9, token 6 = .3+.2+.5 = 1.0; 7 is forced
+    assert vocab.tolist() == [1, 6, 7]
+    assert draft_vocabulary(data, rows, 0, 10) is None and draft_vocabulary(data, rows, 10, 10) is None
+    assert to_draft_ids(torch.tensor([1, 2, 7]), vocab, 10).tolist() == [0, -1, 2]
+    assert coverage(data, rows, vocab) == pytest.approx(3 / 6)   # greedy tokens 1,2,3,1,1,4: three are 1
+
+
+def test_optree_and_rasd_draft_with_the_self_draft(tmp_path: Path) -> None:
+    """`optree` without a draft model and `--draft-model eesd` use the target's early-exit draft, losslessly."""
+    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.models import LoadedModel, load_draft
+
+    target = tiny_llama(2)
+    loaded = LoadedModel(model=target, tokenizer=None, name="tiny", device="cpu", dtype="float32")
+    path = exit_file(tmp_path, target, 0.3)
+    draft = load_draft("eesd", loaded, str(path))
+    assert draft is not None and draft.name == "eesd:tiny" and draft.model.lm_head is target.lm_head
+    with pytest.raises(Exception, match="self-draft of 'other'"):
+        load_draft("eesd:other", loaded, str(path))
+    prompt = random_prompt(12, 4)
+    want = hf_greedy(target, prompt, 24)
+    for method, kwargs in (("optree", {"eesd": str(path)}), ("rasd", {"draft": draft}), ("draft", {"draft": draft})):
+        decoder = build_decoder(loaded, method, sizing="fixed", max_nodes=8, **kwargs)
+        out = decoder.generate(prompt, max_new_tokens=24)
+        assert_greedy_equal(target, prompt, out.token_ids, want, method)
+        if method != "draft":   # `draft`'s chain stops under p̂ 0.05, which a random 96-token model never reaches
+            assert out.stats.num_draft_tokens > 0, method
+
+
+def test_builtin_prompts_are_sharegpt_when_the_shared_data_is_there(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import gzip
+
+    from rasd.train.common import SHAREGPT, load_prompts
+
+    monkeypatch.setenv("RASD_DATA", str(tmp_path / "nowhere"))
+    assert "Python reference" in load_prompts("builtin", 3)[0]       # offline fallback: CPython's reference
+    rows = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "answer"}]}
+            for i in range(4)]
+    (tmp_path / SHAREGPT).parent.mkdir(parents=True)
+    with gzip.open(tmp_path / SHAREGPT, "wt") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("RASD_DATA", str(tmp_path))
+    assert load_prompts("builtin", 3) == ["question 0", "question 1", "question 2"]
+
+
+def test_self_generation_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second run over the same prompts reads the target's continuations back instead of generating."""
+    from rasd.train.common import self_generate
+
+    target = tiny_llama(0)
+    prompts = torch.stack([torch.tensor(random_prompt(6, i)) for i in range(5)])
+    first = self_generate(target, prompts, 7, batch=2, layer=1, cache=tmp_path)
+    assert len(list(tmp_path.glob("*.pt"))) == 1
+
+    def no_generate(*args: object, **kwargs: object) -> None:
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(target, "generate", no_generate)
+    again = self_generate(target, prompts, 7, batch=2, layer=1, cache=tmp_path)
+    assert torch.equal(first.tokens, again.tokens) and torch.equal(first.teacher_ids, again.teacher_ids)
+    with pytest.raises(AssertionError, match="generated again"):   # other prompts: another key
+        self_generate(target, prompts[:3], 7, batch=2, cache=tmp_path)

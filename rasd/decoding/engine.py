@@ -265,7 +265,8 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
     cost curve, `fixed` (keeps up to `max_nodes` nodes by proposer score, no cost model), `heuristic`,
     `threshold`, `thompson` or `ldlp` (a trained predictor: option `ldlp=` or $RASD_HOME/ldlp/). `eesd` and
     `adaeagle` draft with the target's own first layers + a trained exit layer (option `eesd=` or
-    $RASD_HOME/eesd/<model>.safetensors) and decide their draft length themselves (Thompson; LDLP + DDD).
+    $RASD_HOME/eesd/<model>.safetensors) and decide their draft length themselves (Thompson; LDLP + DDD);
+    `optree` without a draft model grows its tree over that same self-draft.
     With `cost`, `optree`'s δ is the ratio of a measured draft forward to the curve's plain step (see
     `rasd.decoding.trees`). `datastores` (token suffix arrays) feed the `retrieval` and `rasd` methods; other
     methods ignore them. `recycling` and `rasd` read the target's Token Recycling matrix: pass a shared one
@@ -279,6 +280,10 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
         proposer_options.update(recycle_when="auto", flat_curve=lambda n: curve_is_flat(curve_for(n)))
     if method == "optree" and sizing == "cost":
         proposer_options.setdefault("target_step_s", lambda context_len: curve_for(context_len).latency(1))
+    if method == "optree" and draft is None:   # OPT-Tree over the target's own early-exit draft
+        from rasd.decoding.models import SELF_DRAFT, load_draft
+
+        draft = load_draft(SELF_DRAFT, target, proposer_options.pop("eesd", None))
     if method in ("eesd", "adaeagle"):   # self-drafts: the target's own layers + trained weights
         proposer_options.setdefault("target_model", target.model)
         proposer_options.setdefault("model_name", target.name)

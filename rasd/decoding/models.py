@@ -178,3 +178,33 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | torc
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=device,
                        dtype=str(torch_dtype).removeprefix("torch."))
+
+
+SELF_DRAFT = "eesd"   # --draft-model eesd: the target's own EESD early-exit draft (no second model)
+
+
+def is_self_draft(spec: str | None) -> bool:
+    """`eesd` or `eesd:<target>` name the target's EESD self-draft rather than a separate model."""
+    return bool(spec) and (spec == SELF_DRAFT or spec.startswith(SELF_DRAFT + ":"))
+
+
+def load_draft(spec: str | None, target: LoadedModel, eesd: str | None = None) -> LoadedModel | None:
+    """The draft model for `--draft-model`: None, a separate model, or the target's EESD self-draft.
+
+    Why a self-draft spec: the early-exit draft IS the target's first layers + a small trained exit layer,
+    so every method that takes a draft model (`draft`, `optree`, `rasd`) gets one without a second model.
+    Its weights come from `eesd` (a path), else $RASD_HOME/eesd/<target>.safetensors.
+    """
+    if not spec:
+        return None
+    if is_self_draft(spec):
+        from rasd.decoding.proposers.early_exit import load_early_exit
+
+        named = spec.partition(":")[2]
+        if named and named != target.name:
+            raise ModelLoadError(f"draft {spec!r} is the self-draft of {named!r}, but the target is {target.name!r}")
+
+        model = load_early_exit(target.model, eesd, target.name)   # ValueError (how to train) when missing
+        return LoadedModel(model=model, tokenizer=target.tokenizer, name=f"{SELF_DRAFT}:{target.name}",
+                           device=target.device, dtype=target.dtype)
+    return load_model(spec, device=target.device, dtype=target.dtype)

@@ -969,7 +969,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Load data and models, run, print the table and write the requested files."""
     import torch
 
-    from rasd.decoding.models import load_model
+    from rasd.decoding.models import load_draft, load_model
 
     methods = parse_methods(args.methods)
     _validate(args, methods)
@@ -977,7 +977,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     items = load_items(args.dataset, args.category, args.limit) if args.task == "generate" else []
     target = load_model(args.model, device=args.device, dtype=args.dtype)
-    draft = load_model(args.draft_model, device=args.device, dtype=args.dtype) if args.draft_model else None
+    draft = load_draft(args.draft_model, target, getattr(args, "eesd", None))
     prompts = _prompts(args, items, target)
     if not prompts:
         raise ValueError("every prompt was skipped")

@@ -116,11 +116,10 @@ class Service:
 
     def _start_decoding(self) -> None:
         """Draft model, draft workers, recycling matrix and the scheduler: what decodes requests here."""
-        from rasd.decoding.models import load_model
+        from rasd.decoding.models import load_draft
 
         config = self.config
-        self.draft = load_model(config.draft_model, device=config.device, dtype=config.dtype) \
-            if config.draft_model else None
+        self.draft = load_draft(config.draft_model, self.target)
         self.drafts = self._start_draft_workers() if config.draft_workers > 0 else None
         self.scheduler = Scheduler(self.target.model, max_batch=config.max_batch, max_waiting=config.max_waiting,
                                    threads=config.threads)
@@ -168,7 +167,11 @@ class Service:
 
     def draft_worker_spec(self) -> str:
         """What the draft workers load: the configured model, the draft model, else the EESD self-draft."""
-        return self.config.draft_worker_model or self.config.draft_model or f"{EESD_PREFIX}{self.config.model}"
+        from rasd.decoding.models import is_self_draft
+
+        own = self.config.draft_model
+        return self.config.draft_worker_model or (
+            own if own and not is_self_draft(own) else f"{EESD_PREFIX}{self.config.model}")
 
     def _start_draft_workers(self) -> DraftPool:
         """Named `rasd-draft-<i>` actors in namespace `rasd` (see rasd/distributed/draft.py)."""
@@ -189,10 +192,10 @@ class Service:
         if method in RETRIEVAL_METHODS and self.index is None:
             raise ApiError(400, f"method {method!r} drafts from an index; start the service with --index",
                            param="method")
-        if method in ("draft", "optree") and not self.config.draft_model:
-            raise ApiError(400, f"method {method!r} needs a draft model; start the service with --draft-model",
+        if method == "draft" and not self.config.draft_model:
+            raise ApiError(400, "method 'draft' needs a draft model; start the service with --draft-model",
                            param="method")
-        if method in ("eesd", "adaeagle"):
+        if method in ("eesd", "adaeagle", "optree"):
             from rasd.cli import CliError, check_trained
 
             try:    # the trained weights live under $RASD_HOME; without them the request would fail later

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,12 @@ from tqdm import tqdm
 from rasd.decoding.ldlp import FinalNormTap
 
 BUILTIN = "builtin"
+SHAREGPT = Path("sharegpt") / "sharegpt_v3_first4000.jsonl.gz"
+
+
+def shared_data() -> Path:
+    """Where the team's benchmark data lives: $RASD_DATA, else ../shared/data (read in place, never copied)."""
+    return Path(os.environ.get("RASD_DATA", "../shared/data"))
 
 
 def _json_lines(path: Path) -> Iterator[dict]:
@@ -39,8 +47,15 @@ def _prompt_of(row: dict) -> str | None:
 
 
 def load_prompts(data: str, limit: int | None = None) -> list[str]:
-    """Prompts from a JSONL(.gz) file, or `builtin`: requests about CPython's language reference (offline)."""
+    """Prompts from a JSONL(.gz) file, or `builtin`.
+
+    `builtin` = the first user turns of ShareGPT conversations when the shared data is there (chat requests
+    like the ones users send; Spec-Bench itself is never trained on: it is the benchmark), else requests
+    about CPython's language reference (ships with Python, so training works offline anywhere).
+    """
     prompts: list[str] = []
+    if data == BUILTIN and (shared_data() / SHAREGPT).exists():
+        return load_prompts(str(shared_data() / SHAREGPT), limit)
     if data == BUILTIN:
         from pydoc_data.topics import topics
 
@@ -100,24 +115,69 @@ class SelfGenerated:
     teacher_ids: torch.Tensor | None = None
 
 
-@torch.no_grad()
-def self_generate(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: int, batch: int = 16,
-                  layer: int | None = None, final: bool = False, top: int = 32,
-                  eos_ids: set[int] | None = None, desc: str = "generating") -> SelfGenerated:
-    """Greedy continuations of every prompt window by the target, then one teacher forward per batch."""
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of a model's config and a sample of its weights: what its greedy text depends on."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    for param in list(model.parameters())[:: max(1, len(list(model.parameters())) // 8)]:
+        h.update(param.detach().reshape(-1)[:256].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def generation_key(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: int, eos: list[int]) -> str:
+    """Cache key of the target's greedy continuations of `prompts`."""
+    h = hashlib.sha256(model_fingerprint(target).encode())
+    h.update(prompts.to(torch.int64).cpu().numpy().tobytes())
+    h.update(json.dumps([list(prompts.shape), gen_tokens, eos]).encode())
+    return h.hexdigest()[:24]
+
+
+def greedy_continuations(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: int, batch: int,
+                         eos: list[int], cache: Path | None = None, desc: str = "generating") -> torch.Tensor:
+    """[K, P + G] the target's greedy continuations (padded with EOS after a stop), cached under `cache`.
+
+    Why a cache: generation is most of a training run on a CPU (minutes), and it only depends on the model,
+    the prompts and the lengths; re-training with other layers, steps or vocabulary reuses it.
+    """
     device = next(target.parameters()).device
     k, p = prompts.shape
-    eos = sorted(eos_ids or ())
     pad = eos[0] if eos else 0
+    file = cache / f"{generation_key(target, prompts, gen_tokens, eos)}.pt" if cache is not None else None
+    if file is not None and file.exists():
+        tokens = torch.load(file)
+        if tokens.shape == (k, p + gen_tokens):
+            return tokens
+    rows = []
+    for start in tqdm(range(0, k, batch), desc=desc, unit="batch"):
+        x = prompts[start: start + batch].to(device)
+        seq = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=gen_tokens, do_sample=False,
+                              eos_token_id=eos or None, pad_token_id=pad)
+        if seq.shape[1] < p + gen_tokens:   # every row stopped early: pad to a fixed length
+            seq = torch.cat([seq, seq.new_full((seq.shape[0], p + gen_tokens - seq.shape[1]), pad)], 1)
+        rows.append(seq.cpu())
+    tokens = torch.cat(rows)
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(file.name + ".tmp")
+        torch.save(tokens, tmp)
+        tmp.replace(file)
+    return tokens
+
+
+@torch.no_grad()
+def self_generate(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: int, batch: int = 64,
+                  layer: int | None = None, final: bool = False, top: int = 32,
+                  eos_ids: set[int] | None = None, desc: str = "generating",
+                  cache: Path | None = None) -> SelfGenerated:
+    """Greedy continuations of every prompt window by the target, then one teacher forward per batch."""
+    device = next(target.parameters()).device
+    p = prompts.shape[1]
+    eos = sorted(eos_ids or ())
+    tokens = greedy_continuations(target, prompts, gen_tokens, batch, eos, cache, desc)
     tap = FinalNormTap(target) if final else None
-    out: dict[str, list[torch.Tensor]] = {"tokens": [], "valid": [], "layer": [], "final": [], "lp": [], "ids": []}
+    out: dict[str, list[torch.Tensor]] = {"valid": [], "layer": [], "final": [], "lp": [], "ids": []}
     try:
-        for start in tqdm(range(0, k, batch), desc=desc, unit="batch"):
-            x = prompts[start: start + batch].to(device)
-            seq = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=gen_tokens, do_sample=False,
-                                  eos_token_id=eos or None, pad_token_id=pad)
-            if seq.shape[1] < p + gen_tokens:   # every row stopped early: pad to a fixed length
-                seq = torch.cat([seq, seq.new_full((seq.shape[0], p + gen_tokens - seq.shape[1]), pad)], 1)
+        for start in tqdm(range(0, len(tokens), batch), desc="teacher forward", unit="batch"):
+            seq = tokens[start: start + batch].to(device)
             valid = torch.ones_like(seq, dtype=torch.bool)
             if eos:
                 is_eos = torch.isin(seq[:, p:], torch.tensor(eos, device=device))
@@ -126,7 +186,6 @@ def self_generate(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: in
             res = target(seq, output_hidden_states=layer is not None)
             logp = res.logits[:, p - 1: -1].float().log_softmax(-1)          # [B, G, vocab]
             lp, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
-            out["tokens"].append(seq.cpu())
             out["valid"].append(valid.cpu())
             out["lp"].append(lp.half().cpu())
             out["ids"].append(ids.int().cpu())
@@ -137,10 +196,17 @@ def self_generate(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: in
     finally:
         if tap is not None:
             tap.remove()
-    return SelfGenerated(tokens=torch.cat(out["tokens"]), valid=torch.cat(out["valid"]), prompt_len=p,
+    return SelfGenerated(tokens=tokens, valid=torch.cat(out["valid"]), prompt_len=p,
                          layer_hidden=torch.cat(out["layer"]) if out["layer"] else None,
                          final_hidden=torch.cat(out["final"]) if out["final"] else None,
                          teacher_logp=torch.cat(out["lp"]), teacher_ids=torch.cat(out["ids"]))
+
+
+def generation_cache(model_name: str) -> Path:
+    """$RASD_HOME/selfgen/<model>/: the target's cached greedy continuations (see `greedy_continuations`)."""
+    from rasd.decoding.models import rasd_home, slug
+
+    return rasd_home() / "selfgen" / slug(model_name)
 
 
 def split(n: int, held_out: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

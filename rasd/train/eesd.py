@@ -33,29 +33,32 @@ from rasd.decoding.proposers.early_exit import (
     new_exit_layer,
     save_exit_layer,
 )
-from rasd.train.common import SelfGenerated, self_generate, split, write_json
+from rasd.train.common import SelfGenerated, generation_cache, self_generate, split, write_json
 
 
 def distill_loss(student_logits: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
     """Cross-entropy to the teacher's top-k distribution plus a tail bucket, averaged over `mask`.
 
-    student_logits [B, G, V]; teacher_logp / teacher_ids [B, G, k]; mask [B, G] bool.
+    student_logits [B, G, V']; teacher_logp / teacher_ids [B, G, k] with ids indexing the student's V'
+    outputs, -1 for a teacher token the student cannot output (its mass goes to the tail); mask [B, G] bool.
     """
     logq = student_logits.float().log_softmax(-1)
-    q_top = logq.gather(-1, teacher_ids.long())                        # [B, G, k]
-    p_top = teacher_logp.float().exp()
+    inside = teacher_ids >= 0
+    q_top = logq.gather(-1, teacher_ids.long().clamp(min=0))            # [B, G, k]
+    p_top = teacher_logp.float().exp() * inside
     p_tail = (1.0 - p_top.sum(-1)).clamp(min=0.0)
-    q_tail = torch.log1p(-q_top.exp().sum(-1).clamp(max=1.0 - 1e-6))
+    q_tail = torch.log1p(-(q_top.exp() * inside).sum(-1).clamp(max=1.0 - 1e-6))
     ce = -(p_top * q_top).sum(-1) - p_tail * q_tail                     # [B, G]
     return (ce * mask).sum() / mask.sum().clamp(min=1)
 
 
 def exit_logits(target: torch.nn.Module, exit_layer: torch.nn.Module, hidden: torch.Tensor,
-                first: int) -> torch.Tensor:
-    """Draft logits [B, T - first - 1, V] at positions first .. T-2 from layer-N inputs hidden [B, T, H].
+                first: int, head: torch.Tensor | None = None) -> torch.Tensor:
+    """Draft logits [B, T - first - 1, V'] at positions first .. T-2 from layer-N inputs hidden [B, T, H].
 
-    The final norm and LM head are the target's, applied with detached weights (frozen, no weight grads).
+    The final norm and LM head are the target's, applied with detached weights (frozen, no weight grads);
+    `head` [V', H] restricts the head to the draft vocabulary's rows.
     """
     pos = torch.arange(hidden.shape[1], device=hidden.device)[None]
     rope = target.get_decoder().rotary_emb(hidden, pos)
@@ -63,7 +66,7 @@ def exit_logits(target: torch.nn.Module, exit_layer: torch.nn.Module, hidden: to
     h = h[:, first:-1]
     norm = target.get_decoder().norm
     h = F.rms_norm(h, (h.shape[-1],), norm.weight.detach(), norm.variance_epsilon)
-    return F.linear(h, target.get_output_embeddings().weight.detach())
+    return F.linear(h, target.get_output_embeddings().weight.detach() if head is None else head)
 
 
 def targets(data: SelfGenerated) -> torch.Tensor:
@@ -71,40 +74,94 @@ def targets(data: SelfGenerated) -> torch.Tensor:
     return data.valid[:, data.prompt_len:]
 
 
+def draft_vocabulary(data: SelfGenerated, rows: torch.Tensor, size: int, vocab: int,
+                     always: set[int] | None = None) -> torch.Tensor | None:
+    """The `size` tokens the target most often writes (FR-Spec-style), sorted; None = the whole vocabulary.
+
+    Frequency is the target's expected count: its top-k probabilities summed over the generated positions
+    of `rows` (smoother than counting the greedy tokens of a few thousand sequences), plus the prompts'
+    tokens. `always` (EOS) is kept whatever its count.
+    """
+    if size <= 0 or size >= vocab:
+        return None
+    mask = targets(data)[rows].unsqueeze(-1)                           # [R, G, 1]
+    ids = data.teacher_ids[rows].long()
+    mass = data.teacher_logp[rows].float().exp() * mask
+    counts = torch.zeros(vocab).index_add_(0, ids.reshape(-1), mass.reshape(-1))
+    counts += torch.bincount(data.tokens[rows, : data.prompt_len].reshape(-1), minlength=vocab)[:vocab] * 0.1
+    for tok in always or ():
+        if 0 <= tok < vocab:
+            counts[tok] = float("inf")
+    return counts.topk(size).indices.sort().values
+
+
+def to_draft_ids(ids: torch.Tensor, vocab: torch.Tensor | None, full: int) -> torch.Tensor:
+    """Target token ids -> indices into the draft vocabulary (-1 outside it); identity without one."""
+    if vocab is None:
+        return ids.long()
+    index = torch.full((full,), -1, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    return index[ids.long()]
+
+
 @torch.no_grad()
 def agreement(target: torch.nn.Module, exit_layer: torch.nn.Module, data: SelfGenerated, rows: torch.Tensor,
-              batch: int = 8) -> float:
+              batch: int = 8, vocab: torch.Tensor | None = None) -> float:
     """Top-1 agreement of the draft with the target (its greedy token) on `rows`' generated positions."""
+    head = _head(target, vocab)
     hits = total = 0
     for s in range(0, len(rows), batch):
         idx = rows[s: s + batch]
-        logits = exit_logits(target, exit_layer, data.layer_hidden[idx].float(), data.prompt_len - 1)
+        logits = exit_logits(target, exit_layer, data.layer_hidden[idx].float(), data.prompt_len - 1, head)
+        guess = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
         mask = targets(data)[idx]
-        hits += int(((logits.argmax(-1) == data.teacher_ids[idx][..., 0].long()) & mask).sum())
+        hits += int(((guess == data.teacher_ids[idx][..., 0].long()) & mask).sum())
         total += int(mask.sum())
     return hits / max(total, 1)
 
 
+def coverage(data: SelfGenerated, rows: torch.Tensor, vocab: torch.Tensor | None) -> float:
+    """Fraction of the target's greedy tokens on `rows` that the draft vocabulary holds (the agreement cap)."""
+    if vocab is None:
+        return 1.0
+    mask = targets(data)[rows]
+    inside = torch.isin(data.teacher_ids[rows][..., 0].long(), vocab) & mask
+    return float(inside.sum()) / max(int(mask.sum()), 1)
+
+
+def _head(target: torch.nn.Module, vocab: torch.Tensor | None) -> torch.Tensor | None:
+    return None if vocab is None else target.get_output_embeddings().weight.detach()[vocab]
+
+
 def train_eesd(target: torch.nn.Module, prompts: torch.Tensor, layers: int | None = None, gen_tokens: int = 48,
                steps: int | None = None, batch: int = 8, lr: float = 1e-3, held_out: float = 0.1,
-               eos_ids: set[int] | None = None, seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Train an exit layer for `target` on its own continuations of `prompts` [K, P]; (layer, report)."""
+               eos_ids: set[int] | None = None, seed: int = 0, draft_vocab: int = 0, cache: Path | None = None,
+               ) -> tuple[torch.nn.Module, torch.Tensor | None, dict[str, Any]]:
+    """Train an exit layer for `target` on its own continuations of `prompts` [K, P].
+
+    Returns (layer, draft vocabulary or None, report). `draft_vocab` > 0 restricts the draft's head to the
+    target's most written tokens; the loss is then over that vocabulary (+ the tail bucket).
+    """
     n_layers = len(decoder_layers(target))
     layers = default_layers(n_layers) if layers is None else layers
     if not 0 < layers < n_layers:
         raise ValueError(f"--layers must be between 1 and {n_layers - 1} for this model")
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    data = self_generate(target, prompts, gen_tokens, layer=layers, eos_ids=eos_ids)
+    data = self_generate(target, prompts, gen_tokens, layer=layers, eos_ids=eos_ids, cache=cache)
     gen_s = time.perf_counter() - t0
     train_rows, test_rows = split(len(data.tokens), held_out, seed)
     if len(test_rows) == 0:
         test_rows = train_rows
+    full = target.get_output_embeddings().weight.shape[0]
+    vocab = draft_vocabulary(data, train_rows, draft_vocab, full, eos_ids)
+    head = _head(target, vocab)
+    teacher_ids = to_draft_ids(data.teacher_ids, vocab, full)             # [K, G, k] in draft indices
     exit_layer = new_exit_layer(target, layers).train()
     exit_layer.requires_grad_(True)
-    before = agreement(target, exit_layer.eval(), data, test_rows)
+    before = agreement(target, exit_layer.eval(), data, test_rows, vocab=vocab)
     exit_layer.train()
-    steps = steps if steps is not None else max(1, math.ceil(2 * len(train_rows) / batch))
+    steps = steps if steps is not None else max(1, math.ceil(4 * len(train_rows) / batch))
     opt = torch.optim.AdamW(exit_layer.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     losses: list[float] = []
@@ -112,24 +169,26 @@ def train_eesd(target: torch.nn.Module, prompts: torch.Tensor, layers: int | Non
     bar = tqdm(range(steps), desc="training exit layer", unit="step")
     for step in bar:
         idx = train_rows[torch.randint(len(train_rows), (min(batch, len(train_rows)),), generator=gen)]
-        logits = exit_logits(target, exit_layer, data.layer_hidden[idx].float(), data.prompt_len - 1)
-        loss = distill_loss(logits, data.teacher_logp[idx], data.teacher_ids[idx], targets(data)[idx])
+        logits = exit_logits(target, exit_layer, data.layer_hidden[idx].float(), data.prompt_len - 1, head)
+        loss = distill_loss(logits, data.teacher_logp[idx], teacher_ids[idx], targets(data)[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(exit_layer.parameters(), 1.0)
-        for group in opt.param_groups:   # short linear warm-up, then constant
-            group["lr"] = lr * min(1.0, (step + 1) / 10)
+        for group in opt.param_groups:   # short linear warm-up, then cosine decay to a tenth
+            group["lr"] = lr * min(1.0, (step + 1) / 10) * (0.55 + 0.45 * math.cos(math.pi * step / steps))
         opt.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     exit_layer.eval()
-    after = agreement(target, exit_layer, data, test_rows)
+    after = agreement(target, exit_layer, data, test_rows, vocab=vocab)
     report = {"layers": layers, "num_hidden_layers": n_layers, "sequences": len(data.tokens),
               "held_out_sequences": len(test_rows), "prompt_tokens": data.prompt_len, "gen_tokens": gen_tokens,
               "steps": steps, "batch": batch, "lr": lr, "final_loss": sum(losses[-20:]) / max(len(losses[-20:]), 1),
+              "draft_vocab": full if vocab is None else len(vocab),
+              "vocab_coverage": coverage(data, test_rows, vocab),
               "agreement_before": before, "agreement": after, "generate_s": round(gen_s, 1),
               "train_s": round(time.perf_counter() - t1, 1)}
-    return exit_layer, report
+    return exit_layer, vocab, report
 
 
 def add_parser(sub: Any) -> None:
@@ -140,7 +199,9 @@ def add_parser(sub: Any) -> None:
                         "or `builtin` (CPython language reference, offline)")
     p.add_argument("--out", type=Path, default=None, help="default: $RASD_HOME/eesd/<model>.safetensors")
     p.add_argument("--layers", type=int, default=None, help="N shared target layers (default: a third)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 2 epochs)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 4 epochs)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="restrict the draft's LM head to the target's N most written tokens (0 = all)")
     p.add_argument("--seqs", type=int, default=1600, help="prompts to continue (10%% held out)")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--gen-tokens", type=int, default=48)
@@ -160,15 +221,17 @@ def run(args: argparse.Namespace) -> int:
         prompts = load_prompts(args.data, args.seqs * 3)
         target = load_model(args.model, device=args.device, dtype="float32")
         windows = prompt_windows(target.tokenizer, prompts, args.prompt_tokens)[: args.seqs]
-        layer, report = train_eesd(target.model, windows, args.layers, args.gen_tokens, args.steps, args.batch,
-                                   args.lr, eos_ids=target.eos_token_ids, seed=args.seed)
+        layer, vocab, report = train_eesd(target.model, windows, args.layers, args.gen_tokens, args.steps,
+                                          args.batch, args.lr, eos_ids=target.eos_token_ids, seed=args.seed,
+                                          draft_vocab=args.draft_vocab, cache=generation_cache(args.model))
     except (ValueError, ModelLoadError) as exc:
         raise CliError(str(exc)) from exc
     out = args.out or eesd_path(args.model)
     report = {"model": args.model, "data": args.data, **report}
-    save_exit_layer(out, layer, report["layers"], {"model": args.model})
+    save_exit_layer(out, layer, report["layers"], {"model": args.model}, vocab=vocab)
     write_json(out.with_suffix(".json"), report)
     print(f"rasd train eesd: wrote {out} ({out.stat().st_size / 1e6:.1f} MB); held-out top-1 agreement with the "
           f"target {report['agreement']:.3f} (before training {report['agreement_before']:.3f}; N={report['layers']}"
-          f", {report['sequences']} sequences, {report['steps']} steps)", file=sys.stderr)
+          f", draft vocabulary {report['draft_vocab']} covering {report['vocab_coverage']:.3f} of the target's tokens, "
+          f"{report['sequences']} sequences, {report['steps']} steps)", file=sys.stderr)
     return 0

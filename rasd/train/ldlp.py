@@ -26,14 +26,15 @@ from rasd.train.common import self_generate, split, write_json
 
 @torch.no_grad()
 def ldlp_dataset(target: torch.nn.Module, drafter: torch.nn.Module, prompts: torch.Tensor, k_max: int,
-                 gen_tokens: int, eos_ids: set[int] | None = None, batch: int = 16
+                 gen_tokens: int, eos_ids: set[int] | None = None, batch: int = 16, cache: Path | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(features [M, 2H] float32, labels [M] float32, sequence index [M]) over the generated positions.
 
     A root position i is used when the text is real (before EOS) up to i + k_max, so labels are never cut
     short by the end of the text.
     """
-    data = self_generate(target, prompts, gen_tokens, batch=batch, final=True, eos_ids=eos_ids, top=1)
+    data = self_generate(target, prompts, gen_tokens, batch=batch, final=True, eos_ids=eos_ids, top=1,
+                         cache=cache)
     embed = target.get_input_embeddings()
     device = next(target.parameters()).device
     feats, labels, seqs = [], [], []
@@ -69,11 +70,12 @@ def evaluate(model: LengthPredictor, feats: torch.Tensor, labels: torch.Tensor, 
 def train_ldlp(target: torch.nn.Module, drafter: torch.nn.Module, prompts: torch.Tensor, k_max: int = 8,
                gen_tokens: int = 48, steps: int = 2000, batch: int = 256, lr: float = 1e-3,
                under_weight: float = 2.0, width: int = 256, held_out: float = 0.1,
-               eos_ids: set[int] | None = None, seed: int = 0) -> tuple[LengthPredictor, dict[str, Any]]:
+               eos_ids: set[int] | None = None, seed: int = 0, cache: Path | None = None,
+               ) -> tuple[LengthPredictor, dict[str, Any]]:
     """Label the target's own continuations with `drafter` and fit the LDLP; (predictor, report)."""
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    feats, labels, seqs = ldlp_dataset(target, drafter, prompts, k_max, gen_tokens, eos_ids)
+    feats, labels, seqs = ldlp_dataset(target, drafter, prompts, k_max, gen_tokens, eos_ids, cache=cache)
     data_s = time.perf_counter() - t0
     train_seqs, test_seqs = split(int(seqs.max()) + 1, held_out, seed)
     test = torch.isin(seqs, test_seqs) if len(test_seqs) else torch.zeros_like(seqs, dtype=torch.bool)
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from rasd.cli import CliError
     from rasd.decoding.models import ModelLoadError, load_model
     from rasd.decoding.proposers.early_exit import load_early_exit
-    from rasd.train.common import load_prompts, prompt_windows
+    from rasd.train.common import generation_cache, load_prompts, prompt_windows
 
     if args.under_weight <= 1:
         raise CliError("--under-weight must be > 1 (under-prediction costs more)")
@@ -145,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
             drafter = load_model(args.drafter, device=args.device, dtype="float32").model
         windows = prompt_windows(target.tokenizer, prompts, args.prompt_tokens)[: args.seqs]
         model, report = train_ldlp(target.model, drafter, windows, args.k_max, args.gen_tokens, args.steps,
-                                   under_weight=args.under_weight, eos_ids=target.eos_token_ids, seed=args.seed)
+                                   under_weight=args.under_weight, eos_ids=target.eos_token_ids, seed=args.seed,
+                                   cache=generation_cache(args.model))
     except (ValueError, ModelLoadError) as exc:
         raise CliError(str(exc)) from exc
     drafter_tag = "eesd" if args.drafter == "eesd" else "draft-model"
