@@ -52,7 +52,9 @@ def _add_train(sub: Any) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Model options shared by subcommands."""
     p.add_argument("--model", default="default", help="HF hub id, local path, or `default` (embedded SmolLM2-135M)")
-    p.add_argument("--draft-model", default=None, help="small causal LM sharing the target's tokenizer")
+    p.add_argument("--draft-model", default=None,
+                   help="small causal LM sharing the target's tokenizer, "
+                        "or `eesd` (the target's own early-exit self-draft)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
 

@@ -308,3 +308,15 @@ def test_self_generation_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert torch.equal(first.tokens, again.tokens) and torch.equal(first.teacher_ids, again.teacher_ids)
     with pytest.raises(AssertionError, match="generated again"):   # other prompts: another key
         self_generate(target, prompts[:3], 7, batch=2, cache=tmp_path)
+
+
+def test_eesd_hangs_runner_up_siblings_on_the_chain(tmp_path: Path) -> None:
+    target = tiny_llama(0)
+    proposer = make_proposer("eesd", target_model=target, eesd=exit_file(tmp_path, target, 0.5))
+    proposer.start(random_prompt(5, 0), SamplingParams())
+    proposer.length.limit = lambda context: 3   # a 3-token chain
+    tree = proposer.propose(random_prompt(5, 0), 16)
+    assert tree.num_draft_tokens == 3 + 3 * 2 and tree.parents[1:4] == [0, 1, 2]   # the chain comes first
+    for node in range(4, len(tree)):   # siblings: leaves under chain nodes 0..2, never better than the chain's
+        parent = tree.parents[node]
+        assert parent in (0, 1, 2) and tree.scores[node] <= tree.scores[parent + 1]

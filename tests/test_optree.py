@@ -291,9 +291,27 @@ def test_optree_sampling_is_exact() -> None:
     check_against_exact(counts, joint, "optree warped")
 
 
-def test_cli_needs_a_draft_model_for_optree(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_optree_without_a_draft_model_needs_the_trained_self_draft(
+        capsys: pytest.CaptureFixture[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from rasd.cli import main
 
+    monkeypatch.setenv("RASD_HOME", str(tmp_path))   # no trained exit layer there
     code = main(["generate", "--model", "/nonexistent", "--method", "optree", "--prompt", "hi"])
-    err = capsys.readouterr().err
-    assert code == 2 and "'optree' needs --draft-model" in err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "rasd train eesd" in err[0]
+
+
+def test_n_is_tied_to_the_flat_part_of_the_cost_curve() -> None:
+    """OPT-Tree's n: the nodes a curve verifies for about one token's price (a CPU: few; a GPU: many)."""
+    from rasd.decoding.cost import CostCurve
+    from rasd.decoding.engine import flat_nodes
+
+    cpu = CostCurve("cpu", 256, [1, 2, 4, 8, 16], [0.0647, 0.0652, 0.0652, 0.1038, 0.110])
+    gpu = CostCurve("gpu", 256, [1, 2, 4, 8, 16, 32, 64], [0.0268] * 5 + [0.0274, 0.0276])
+    steep = CostCurve("steep", 256, [1, 2, 4], [0.05, 0.09, 0.2])
+    assert (flat_nodes(cpu), flat_nodes(gpu), flat_nodes(steep)) == (3, 63, 1)
+    model = tiny_llama(2, init=0.3)
+    proposer = DraftModelProposer(model, shape="optree", delta=0.0, node_cap=lambda context_len: 3)
+    context = random_prompt(20, 4)
+    proposer.start(context, GREEDY)
+    assert proposer.propose(context, 32).num_draft_tokens == 3

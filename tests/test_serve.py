@@ -146,7 +146,7 @@ def test_bad_requests_get_openai_style_errors(service: dict[str, Any]) -> None:
         ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
         ({"prompt": "hi", "n": 2}, 400, "n"),
         ({"prompt": "hi", "method": "magic"}, 400, "method"),
-        ({"prompt": "hi", "method": "optree"}, 400, "method"),             # no --draft-model
+        ({"prompt": "hi", "method": "draft"}, 400, "method"),              # no --draft-model
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
         ({"prompt": "word " * 8200}, 400, "prompt"),                     # longer than the 8192 context

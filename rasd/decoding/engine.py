@@ -280,6 +280,11 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
         proposer_options.update(recycle_when="auto", flat_curve=lambda n: curve_is_flat(curve_for(n)))
     if method == "optree" and sizing == "cost":
         proposer_options.setdefault("target_step_s", lambda context_len: curve_for(context_len).latency(1))
+        proposer_options.setdefault("node_cap", lambda context_len: flat_nodes(curve_for(context_len)))
+    if method == "rasd" and draft is not None and sizing == "cost" and "draft_options" not in proposer_options:
+        # the draft's chain stops where its next node is less likely than its forward costs (p̂ < δ)
+        proposer_options["draft_options"] = {"min_prob": None,
+                                             "target_step_s": lambda n: curve_for(n).latency(1)}
     if method == "optree" and draft is None:   # OPT-Tree over the target's own early-exit draft
         from rasd.decoding.models import SELF_DRAFT, load_draft
 
@@ -303,6 +308,16 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
 
 
 FLAT_CURVE_RATIO = 1.15   # verifying 16 tree tokens costs < 15% more than one: extra nodes are nearly free
+
+
+def flat_nodes(curve: Any, ratio: float = FLAT_CURVE_RATIO) -> int:
+    """Draft nodes that verify for at most `ratio` x one token's latency (this CPU: 3; an H200: 63), >= 1.
+
+    OPT-Tree's n, tied to the measured curve: the paper's n = 60 assumes a GPU, where wider trees are free.
+    """
+    one = curve.latency(1)
+    fits = [n for n in curve.sizes if curve.latency(n) <= ratio * one]
+    return max(max(fits, default=1) - 1, 1)
 
 
 def curve_is_flat(curve: Any, tokens: int = 16) -> bool:

@@ -911,7 +911,9 @@ def parse_methods(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench options, shared by `rasd bench` and `python -m rasd.pipelines.bench`."""
     parser.add_argument("--model", default="default", help="hub id, local path, or 'default' (embedded)")
-    parser.add_argument("--draft-model", default=None, help="draft model for `draft` and `hf-assisted`")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft model for `draft`, `optree`, `rasd`, `hf-assisted`; `eesd` = the target's "
+                             "early-exit self-draft (`optree` uses it by default)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--dataset", required=True, help="Spec-Bench question.jsonl or LongBench jsonl")

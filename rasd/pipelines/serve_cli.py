@@ -11,7 +11,8 @@ def register(subparsers: Any) -> Any:
     p = subparsers.add_parser("serve", help="serve the model (OpenAI-compatible API + document QA) with Ray Serve")
     p.add_argument("--index", default=None, help="index folder, or `sample` for the bundled Python reference")
     p.add_argument("--model", default="default")
-    p.add_argument("--draft-model", default=None)
+    p.add_argument("--draft-model", default=None, help="small causal LM sharing the target's tokenizer, "
+                        "or `eesd` (the target's own early-exit self-draft)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--method", default="pld", help="default method of /v1/completions and chat")

@@ -4,7 +4,9 @@ The draft model keeps its own KV cache in step with the committed context: befor
 cut back to the longest prefix it shares with the context, and the missing committed tokens are fed in one
 forward. Tree drafting expands layer by layer: one draft forward over the frontier (tree attention mask),
 each frontier node's top-k children, the global top `width` by path probability p̂ kept as the next
-frontier; deepening stops at `max_depth` or when the best frontier p̂ falls under `min_prob`.
+frontier; deepening stops at `max_depth` or when the best frontier p̂ falls under `min_prob`. With
+`min_prob=None` that floor is δ, the measured draft-forward / target-step time ratio (as for OPT-Tree): one
+more draft forward is worth its time only while the node it adds is at least that likely to be accepted.
 With sampling (temperature > 0) the draft is a chain sampled from the draft's warped distribution q, and q
 is attached to each node so the verifier can apply the exact SpecInfer residual rule.
 
@@ -37,8 +39,9 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, model: torch.nn.Module, max_depth: int | None = None, top_k: int = 1, width: int = 1,
-                 min_prob: float = 0.05, seed: int = 0, shape: str = "topk", delta: float | None = None,
-                 target_step_s: Callable[[int], float | None] | None = None):
+                 min_prob: float | None = 0.05, seed: int = 0, shape: str = "topk", delta: float | None = None,
+                 target_step_s: Callable[[int], float | None] | None = None,
+                 node_cap: Callable[[int], int] | None = None):
         if shape not in SHAPES:
             raise ValueError(f"unknown draft shape {shape!r}; choose one of {', '.join(SHAPES)}")
         self.model = model
@@ -51,6 +54,9 @@ class DraftModelProposer:
         # OPT-Tree's δ: fixed when given, else the measured draft-forward / target-step time ratio.
         # `target_step_s(context_len)` gives the target's plain-step latency (from the engine's cost curve).
         self.delta, self.target_step_s = delta, target_step_s
+        # OPT-Tree's n: at most node_cap(context_len) nodes (engine: the tree size the cost curve verifies for
+        # about the price of one token). Growing 64-node layers that the sizer then cuts to 3 wastes drafts.
+        self.node_cap = node_cap
         self.forward_s: float | None = None   # EMA of one frontier draft forward (seconds)
         self.last_layers = 0                   # OPT-Tree layers grown by the last propose (statistics, tests)
         self.device = next(model.parameters()).device
@@ -76,7 +82,8 @@ class DraftModelProposer:
         if max_nodes <= 0:
             return tree
         if self.shape == "optree":
-            tree = self._opt_tree(context, logits, max_nodes)
+            cap = self.node_cap(len(context)) if self.node_cap is not None else max_nodes
+            tree = self._opt_tree(context, logits, max(1, min(max_nodes, cap)))
         elif self.sampling.greedy:
             self._expand_tree(tree, logits, len(context), max_nodes)
         else:
@@ -111,10 +118,20 @@ class DraftModelProposer:
         new = context[common:]
         ids = torch.tensor([new], dtype=torch.long, device=self.device)
         pos = torch.arange(common, len(context), device=self.device)[None]
+        t0 = time.perf_counter()
         out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **cache_kwargs(self.model, self.cache))
         self.cached = list(context)
         self.root_logits = out.logits[0, -1].float()
+        if len(new) <= 4:   # a catch-up of a few tokens costs about one draft step: a sample for δ
+            self._time_forward(t0)
         return self.root_logits
+
+    def _time_forward(self, t0: float) -> None:
+        """Fold one draft forward's wall time (since t0) into the EMA behind δ."""
+        if self.device.type == "cuda":   # time the forward, not its launch
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        self.forward_s = elapsed if self.forward_s is None else 0.8 * self.forward_s + 0.2 * elapsed
 
     def _forward_nodes(self, tree: DraftTree, first: int, context_len: int) -> torch.Tensor:
         """Draft logits [n, vocab] for tree nodes first.. (earlier non-root nodes are already cached)."""
@@ -131,10 +148,7 @@ class DraftModelProposer:
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask[None, None].to(self.device),
                          use_cache=True, **cache_kwargs(self.model, self.cache))
         logits = out.logits[0].float()
-        if self.device.type == "cuda":   # time the forward, not its launch (the top-k right after syncs anyway)
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - t0
-        self.forward_s = elapsed if self.forward_s is None else 0.8 * self.forward_s + 0.2 * elapsed
+        self._time_forward(t0)
         return logits
 
     def current_delta(self, context_len: int) -> float:
@@ -168,13 +182,14 @@ class DraftModelProposer:
     def _expand_tree(self, tree: DraftTree, root_logits: torch.Tensor, context_len: int, max_nodes: int) -> None:
         """Greedy drafting: top-k children per frontier node, keep the global top `width` by p̂."""
         frontier, frontier_logits = [0], root_logits[None]
+        floor = self.current_delta(context_len) if self.min_prob is None else self.min_prob
         for depth in range(self.max_depth):
             probs = frontier_logits.softmax(-1)                       # [F, vocab]
             top_p, top_t = probs.topk(self.top_k, dim=-1)             # [F, k]
             cands = [(tree.scores[f] * float(top_p[j, c]), f, int(top_t[j, c]))
                      for j, f in enumerate(frontier) for c in range(self.top_k)]
             cands.sort(key=lambda c: -c[0])
-            cands = [c for c in cands[: self.width] if c[0] >= self.min_prob]
+            cands = [c for c in cands[: self.width] if c[0] >= floor]
             room = max_nodes - tree.num_draft_tokens
             if not cands or room <= 0:
                 return
