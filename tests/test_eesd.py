@@ -320,3 +320,17 @@ def test_eesd_hangs_runner_up_siblings_on_the_chain(tmp_path: Path) -> None:
     for node in range(4, len(tree)):   # siblings: leaves under chain nodes 0..2, never better than the chain's
         parent = tree.parents[node]
         assert parent in (0, 1, 2) and tree.scores[node] <= tree.scores[parent + 1]
+
+
+def test_adaeagle_with_the_self_draft_spec_uses_the_eesd_predictor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """`--draft-model eesd` must not make adaeagle look for a `draft-model` LDLP."""
+    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.models import LoadedModel, load_draft
+
+    monkeypatch.setenv("RASD_HOME", str(tmp_path))
+    target = tiny_llama(0)
+    loaded = LoadedModel(model=target, tokenizer=None, name="tiny", device="cpu", dtype="float32")
+    draft = load_draft("eesd", loaded, str(exit_file(tmp_path, target)))
+    with pytest.raises(ValueError, match="--drafter eesd"):
+        build_decoder(loaded, "adaeagle", draft=draft)

@@ -18,6 +18,7 @@ from rasd.decoding.cache import TreeCache
 from rasd.decoding.control import CostAwareSizer, FixedSizer, Sizer, make_sizer
 from rasd.decoding.cost import context_bucket, load_or_measure
 from rasd.decoding.kernels import fast_kernels, install
+from rasd.decoding.models import is_self_draft
 from rasd.decoding.proposers import Proposer, RecyclingMatrix, make_proposer
 from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
 from rasd.decoding.stats import DecodeStats
@@ -285,6 +286,8 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
         # the draft's chain stops where its next node is less likely than its forward costs (p̂ < δ)
         proposer_options["draft_options"] = {"min_prob": None,
                                              "target_step_s": lambda n: curve_for(n).latency(1)}
+    if method == "adaeagle" and draft is not None and is_self_draft(draft.name):
+        draft = None   # `--draft-model eesd` is adaeagle's own default drafter (and its LDLP's tag)
     if method == "optree" and draft is None:   # OPT-Tree over the target's own early-exit draft
         from rasd.decoding.models import SELF_DRAFT, load_draft
 
