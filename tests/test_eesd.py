@@ -34,7 +34,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 WORDS = "the quick brown fox jumps over the lazy dog and a b c d e f g h i j k l m n o p".split()
 
 
-def exit_file(tmp_path: Path, target: torch.nn.Module, noise: float = 0.0, name: str = "exit") -> Path:
+def exit_file(tmp_path: Path, target: torch.nn.Module, noise: float = 0.0, name: str = "exit",
+              vocab: torch.Tensor | None = None) -> Path:
     layer = new_exit_layer(target, 1)
     if noise:
         gen = torch.Generator().manual_seed(5)
@@ -42,7 +43,7 @@ def exit_file(tmp_path: Path, target: torch.nn.Module, noise: float = 0.0, name:
             for p in layer.parameters():
                 p.add_(noise * torch.randn(p.shape, generator=gen))
     path = tmp_path / f"{name}.safetensors"
-    save_exit_layer(path, layer, 1)
+    save_exit_layer(path, layer, 1, vocab=vocab)
     return path
 
 
@@ -180,22 +181,10 @@ def test_train_eesd_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
 
 
-def subset_exit_file(tmp_path: Path, target: torch.nn.Module, vocab: torch.Tensor, noise: float = 0.0) -> Path:
-    layer = new_exit_layer(target, 1)
-    if noise:
-        gen = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.add_(noise * torch.randn(p.shape, generator=gen))
-    path = tmp_path / "subset.safetensors"
-    save_exit_layer(path, layer, 1, vocab=vocab)
-    return path
-
-
 def test_subset_head_masks_the_rest_of_the_vocabulary(tmp_path: Path) -> None:
     target = tiny_llama(0)
     vocab = torch.arange(0, TINY_VOCAB, 3)
-    draft = load_early_exit(target, subset_exit_file(tmp_path, target, vocab))
+    draft = load_early_exit(target, exit_file(tmp_path, target, vocab=vocab))
     x = torch.tensor([random_prompt(9, 3)])
     with torch.no_grad():
         full, part = target(x).logits, draft(x).logits            # exit = target's layer 1: same hidden state
@@ -210,7 +199,7 @@ def test_subset_eesd_greedy_equals_hf(tmp_path: Path, noise: float) -> None:
     """Tokens outside the draft vocabulary are never drafted, yet the output is still the target's."""
     target = tiny_llama(1)
     vocab = torch.arange(0, TINY_VOCAB, 2)
-    proposer = make_proposer("eesd", target_model=target, eesd=subset_exit_file(tmp_path, target, vocab, noise))
+    proposer = make_proposer("eesd", target_model=target, eesd=exit_file(tmp_path, target, noise, vocab=vocab))
     decoder = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16))
     for length in (3, 20):
         prompt = random_prompt(length, length)
