@@ -1,6 +1,6 @@
 """Per-category accepted tokens by source, from a `rasd bench --answers` JSONL (what the README quotes).
 
-    python scripts/source_table.py answers.jsonl [--method rasd]
+    python scripts/source_table.py answers.jsonl[.gz] [--method rasd]
 
 Each cell: the share of the method's accepted draft tokens that came from that source in that category,
 with the accepted draft tokens per 100 generated tokens (bonus tokens, the target's own, are not drafts).
@@ -9,6 +9,7 @@ with the accepted draft tokens per 100 generated tokens (bonus tokens, the targe
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -18,7 +19,8 @@ def aggregate(path: Path, method: str) -> tuple[dict[str, dict[str, int]], dict[
     """(category -> source -> accepted draft tokens, category -> generated tokens) for `method`."""
     by_source: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     generated: dict[str, int] = defaultdict(int)
-    for line in path.read_text().splitlines():
+    text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+    for line in text.splitlines():
         row = json.loads(line)
         if row["method"] != method:
             continue
