@@ -233,6 +233,7 @@ def test_service_config_names_the_worker_model() -> None:
     assert spec(model="m") == "eesd:m"
     assert spec(model="m", draft_model="d") == "d"
     assert spec(model="m", draft_model="d", draft_worker_model="w") == "w"
+    assert spec(model="m", draft_model="eesd") == "eesd:m"   # the self-draft spec names no separate model
 
 
 def test_serve_flags_reach_the_config() -> None:

@@ -45,6 +45,15 @@ MAX_REQUESTS = 256          # per-request states a worker keeps (least recently 
 START_TIMEOUT_S = 600.0     # loading a model on a busy node can take minutes
 
 
+def worker_spec(worker_model: str | None, draft_model: str | None, model: str) -> str:
+    """What draft workers load: their own model, else the draft model, else (`eesd` too) the target's self-draft."""
+    from rasd.decoding.models import is_self_draft
+
+    if worker_model:
+        return worker_model
+    return draft_model if draft_model and not is_self_draft(draft_model) else f"{EESD_PREFIX}{model}"
+
+
 def eesd_target(spec: str) -> str | None:
     """The target model named by an `eesd:<target>` spec ("default" when empty); None for other specs."""
     return (spec[len(EESD_PREFIX):] or "default") if spec.startswith(EESD_PREFIX) else None

@@ -342,10 +342,10 @@ def draft_worker_config(args: Any) -> dict[str, Any]:
         raise CliError("--draft-workers must be >= 0")
     worker_model = getattr(args, "draft_worker_model", None)
     if workers:
-        from rasd.distributed.draft import EESD_PREFIX, check_spec
+        from rasd.distributed.draft import check_spec, worker_spec
 
         try:
-            check_spec(worker_model or args.draft_model or f"{EESD_PREFIX}{args.model}")
+            check_spec(worker_spec(worker_model, args.draft_model, args.model))
         except ValueError as exc:
             raise CliError(str(exc)) from exc
     config: dict[str, Any] = {"draft_workers": workers, "draft_worker_model": worker_model}

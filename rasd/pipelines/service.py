@@ -24,7 +24,7 @@ from rasd.decoding.proposers import METHODS, RecyclingMatrix
 from rasd.decoding.proposers.recycling import matrix_path
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.scheduler import Overloaded, Scheduler
-from rasd.distributed.draft import EESD_PREFIX, DraftPool, check_spec
+from rasd.distributed.draft import DraftPool, check_spec, worker_spec
 from rasd.pipelines.docqa import RETRIEVAL_METHODS, Source, fit_sources, scope_proposer
 from rasd.pipelines.metrics import ServiceMetrics
 from rasd.pipelines.openai_api import ApiError
@@ -167,11 +167,7 @@ class Service:
 
     def draft_worker_spec(self) -> str:
         """What the draft workers load: the configured model, the draft model, else the EESD self-draft."""
-        from rasd.decoding.models import is_self_draft
-
-        own = self.config.draft_model
-        return self.config.draft_worker_model or (
-            own if own and not is_self_draft(own) else f"{EESD_PREFIX}{self.config.model}")
+        return worker_spec(self.config.draft_worker_model, self.config.draft_model, self.config.model)
 
     def _start_draft_workers(self) -> DraftPool:
         """Named `rasd-draft-<i>` actors in namespace `rasd` (see rasd/distributed/draft.py)."""
