@@ -122,7 +122,13 @@ class AcceptanceEstimator:
         return probs
 
     def update(self, tree: DraftTree, accepted: list[int]) -> None:
-        """Learn from a verified tree: every child of the root or of an accepted node was 'tried'."""
+        """Learn from a verified tree: every child of the root or of an accepted node was 'tried'.
+
+        A step without drafts brings no evidence, so it does not decay the posteriors either: a drafter
+        gated off for a while (`rasd.decoding.gate`) comes back with what was learnt about it.
+        """
+        if len(tree) <= 1:
+            return
         for a_b in self.counts.values():
             a_b[0] = self.prior[0] + (a_b[0] - self.prior[0]) * self.decay
             a_b[1] = self.prior[1] + (a_b[1] - self.prior[1]) * self.decay

@@ -17,6 +17,7 @@ import torch
 from rasd.decoding.cache import TreeCache
 from rasd.decoding.control import CostAwareSizer, FixedSizer, Sizer, make_sizer
 from rasd.decoding.cost import context_bucket, load_or_measure
+from rasd.decoding.gate import DraftGate
 from rasd.decoding.kernels import fast_kernels, install
 from rasd.decoding.models import is_self_draft
 from rasd.decoding.proposers import Proposer, RecyclingMatrix, make_proposer
@@ -286,6 +287,10 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
         # the draft's chain stops where its next node is less likely than its forward costs (p̂ < δ)
         proposer_options["draft_options"] = {"min_prob": None,
                                              "target_step_s": lambda n: curve_for(n).latency(1)}
+    if method in GATED_METHODS and sizing == "cost":
+        # drafts are paid for before the sizer can drop them: decide per step whether drafting pays at all
+        # (rasd: per retrieval match class, which changes often, so shorter pulls)
+        proposer_options.setdefault("gate", DraftGate(block=4 if method == "rasd" else 8))
     if method == "adaeagle" and draft is not None and is_self_draft(draft.name):
         draft = None   # `--draft-model eesd` is adaeagle's own default drafter (and its LDLP's tag)
     if method == "optree" and draft is None:   # OPT-Tree over the target's own early-exit draft
@@ -310,6 +315,7 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
                               max_context=target.max_context, method=method)
 
 
+GATED_METHODS = ("draft", "optree", "eesd", "adaeagle", "rasd")   # model drafters (rasd: when it has one)
 FLAT_CURVE_RATIO = 1.15   # verifying 16 tree tokens costs < 15% more than one: extra nodes are nearly free
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from rasd.decoding.cache import TreeCache
+from rasd.decoding.gate import DraftGate
 from rasd.decoding.sampling import GREEDY, SamplingParams, target_probs
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.trees import DEFAULT_MAX_DEPTH, delta_from_times, grow_opt_tree
@@ -41,7 +42,7 @@ class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, max_depth: int | None = None, top_k: int = 1, width: int = 1,
                  min_prob: float | None = 0.05, seed: int = 0, shape: str = "topk", delta: float | None = None,
                  target_step_s: Callable[[int], float | None] | None = None,
-                 node_cap: Callable[[int], int] | None = None):
+                 node_cap: Callable[[int], int] | None = None, gate: DraftGate | None = None):
         if shape not in SHAPES:
             raise ValueError(f"unknown draft shape {shape!r}; choose one of {', '.join(SHAPES)}")
         self.model = model
@@ -57,6 +58,9 @@ class DraftModelProposer:
         # OPT-Tree's n: at most node_cap(context_len) nodes (engine: the tree size the cost curve verifies for
         # about the price of one token). Growing 64-node layers that the sizer then cuts to 3 wastes drafts.
         self.node_cap = node_cap
+        # Whether to draft at all this step (engine: with cost sizing): drafts are paid for before the sizer
+        # can drop them (see `rasd.decoding.gate`).
+        self.gate = gate
         self.forward_s: float | None = None   # EMA of one frontier draft forward (seconds)
         self.last_layers = 0                   # OPT-Tree layers grown by the last propose (statistics, tests)
         self.device = next(model.parameters()).device
@@ -74,13 +78,19 @@ class DraftModelProposer:
         self.sampling = sampling
         if sampling.seed is not None:
             self.gen.manual_seed(sampling.seed + 1)
+        if self.gate is not None:
+            self.gate.reset()
+
+    def gate_open(self, context: list[int]) -> bool:
+        """Whether to run the drafter this step (always without a gate)."""
+        return self.gate is None or self.gate.choose(len(context))
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_nodes: int) -> DraftTree:
-        logits = self._sync(context)   # [vocab] at the root
         tree = DraftTree.root_only(context[-1])
-        if max_nodes <= 0:
+        if max_nodes <= 0 or not self.gate_open(context):
             return tree
+        logits = self._sync(context)   # [vocab] at the root
         if self.shape == "optree":
             cap = self.node_cap(len(context)) if self.node_cap is not None else max_nodes
             tree = self._opt_tree(context, logits, max(1, min(max_nodes, cap)))

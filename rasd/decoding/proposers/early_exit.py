@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from rasd.decoding.control import ThompsonSizer
+from rasd.decoding.gate import DraftGate
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.sampling import SamplingParams, target_probs
 from rasd.decoding.tree import DraftTree
@@ -195,8 +196,9 @@ def load_early_exit(target: nn.Module, path: Path | str | None, model_name: str 
 class LengthControlledProposer(DraftModelProposer):
     """A chain drafted by any draft LM, its length decided by a `LengthPolicy` (eesd, adaeagle)."""
 
-    def __init__(self, model: nn.Module, length: LengthPolicy, name: str, seed: int = 0, siblings: int = 0):
-        super().__init__(model, max_depth=1, top_k=1, width=1, min_prob=0.0, seed=seed)
+    def __init__(self, model: nn.Module, length: LengthPolicy, name: str, seed: int = 0, siblings: int = 0,
+                 gate: DraftGate | None = None):
+        super().__init__(model, max_depth=1, top_k=1, width=1, min_prob=0.0, seed=seed, gate=gate)
         self.length, self.name = length, name
         self.source = name
         # Greedy only: the next `siblings` most likely tokens beside each chain token, as leaves. They come
@@ -211,8 +213,10 @@ class LengthControlledProposer(DraftModelProposer):
     @torch.inference_mode()
     def propose(self, context: list[int], max_nodes: int) -> DraftTree:
         limit = min(self.length.limit(context), max_nodes)   # before any draft forward (the LDLP reads the tap)
-        logits = self._sync(context)                         # [vocab] at the root
         tree = DraftTree.root_only(context[-1])
+        if limit <= 0 or not self.gate_open(context):
+            return tree
+        logits = self._sync(context)                         # [vocab] at the root
         node, cum = 0, 0.0
         leaves: list[tuple[int, int, float]] = []   # (parent, token, p̂), added after the chain's forwards
         for step in range(limit):
@@ -245,23 +249,25 @@ class LengthControlledProposer(DraftModelProposer):
 
 
 def make_eesd(target: nn.Module, eesd: str | Path | None = None, model_name: str = "default",
-              max_depth: int = 10, seed: int = 0, siblings: int = 2, **_: Any) -> LengthControlledProposer:
+              max_depth: int = 10, seed: int = 0, siblings: int = 2, gate: DraftGate | None = None,
+              **_: Any) -> LengthControlledProposer:
     """Method `eesd`: the self-draft with a Thompson-sampled length (hard cap `max_depth`).
 
     `siblings` (greedy): the chain's runner-up tokens as extra leaves (see `LengthControlledProposer`).
+    `gate`: whether to draft at all this step (`rasd.decoding.gate`; the engine gives one with cost sizing).
     """
     draft = load_early_exit(target, eesd, model_name)
     return LengthControlledProposer(draft, ThompsonLength(ThompsonSizer(max_depth=max_depth, seed=seed)), "eesd",
-                                    seed=seed, siblings=siblings)
+                                    seed=seed, siblings=siblings, gate=gate)
 
 
 def make_adaeagle(target: nn.Module, draft_model: nn.Module | None = None, eesd: str | Path | None = None,
                   ldlp: str | Path | None = None, model_name: str = "default", seed: int = 0,
-                  **_: Any) -> LengthControlledProposer:
+                  gate: DraftGate | None = None, **_: Any) -> LengthControlledProposer:
     """Method `adaeagle`: `draft_model` if given, else the EESD self-draft; length from LDLP + DDD."""
     from rasd.decoding.ldlp import load_controller
 
     drafter = "draft-model" if draft_model is not None else "eesd"
     controller = load_controller(target, ldlp, model_name, drafter)
     draft = draft_model if draft_model is not None else load_early_exit(target, eesd, model_name)
-    return LengthControlledProposer(draft, controller, "adaeagle", seed=seed)
+    return LengthControlledProposer(draft, controller, "adaeagle", seed=seed, gate=gate)

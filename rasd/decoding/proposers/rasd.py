@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rasd.decoding.fusion import ProbsFn, PruneConfig, fuse, merge_trees, prune
+from rasd.decoding.gate import DraftGate
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.recycling import RecyclingMatrix, RecyclingProposer
 from rasd.decoding.proposers.retrieval import CONTEXT, RetrievalProposer, match_class
@@ -51,7 +52,7 @@ class RasdProposer:
                  draft_options: dict[str, Any] | None = None, recycling: RecyclingMatrix | None = None,
                  recycling_options: dict[str, Any] | None = None, prune_with: str = "auto",
                  recycle_when: str = "fallback", flat_curve: Callable[[int], bool] | None = None,
-                 draft_proposer: Any = None, **retrieval_options: Any):
+                 draft_proposer: Any = None, gate: DraftGate | None = None, **retrieval_options: Any):
         self.retrieval = RetrievalProposer(datastores, **retrieval_options)
         self.draft = self._make_draft(draft_model, draft_proposer, draft_options)
         self.recycling = None if recycling is None else RecyclingProposer(recycling, **(recycling_options or {}))
@@ -63,6 +64,11 @@ class RasdProposer:
         self.model = draft_model          # the engine installs its fast kernels on `proposer.model`
         self.prune_config = prune_config or PruneConfig()
         self.probs_fn = probs_fn if probs_fn is not None else self._probability_source(prune_with)
+        self._probs_from_draft = probs_fn is None and prune_with in ("auto", "draft") and self.draft is not None
+        # Whether to run the draft model this step, per retrieval match class: where the
+        # request's own text already has the continuation, or the draft is rarely right, its forwards cost
+        # more than the tokens they add (measured; `rasd.decoding.gate`). The engine gives one with cost sizing.
+        self.gate = gate if self.draft is not None else None
 
     @staticmethod
     def _make_draft(draft_model: torch.nn.Module | None, draft_proposer: Any,
@@ -107,6 +113,8 @@ class RasdProposer:
         self.retrieval.start(prompt_ids, sampling)
         if self.draft is not None:
             self.draft.start(prompt_ids, sampling)
+        if self.gate is not None:
+            self.gate.reset()
 
     def propose(self, context: list[int], max_nodes: int) -> DraftTree:
         if max_nodes <= 0:
@@ -114,9 +122,13 @@ class RasdProposer:
         trees = self.retrieval.candidate_trees(context, max_nodes)
         own = [t for t in trees if t.sources[1] == CONTEXT]
         retrieved = merge_trees(context[-1], [t for t in trees if t.sources[1] != CONTEXT], max_nodes)
-        probs = self.probs_fn(context) if self.probs_fn is not None and retrieved.num_draft_tokens else None
+        use_draft = self.draft is not None and (self.gate is None or self.gate.choose(len(context),
+                                                                                     self._gate_bucket(trees)))
+        probs = (self.probs_fn(context) if self.probs_fn is not None and retrieved.num_draft_tokens
+                 and (use_draft or not self._probs_from_draft) else None)
         kept, pruned = prune(retrieved, probs, self.prune_config)
-        tree = self._draft_tree(context, max_nodes, kept.num_draft_tokens)
+        tree = (self._draft_tree(context, max_nodes, kept.num_draft_tokens) if use_draft
+                else DraftTree.root_only(context[-1]))
         # The request's own text (prompt + output) goes in before the datastore: in document QA the cited
         # chunks are in the prompt and small models repeat their own phrasing, so it is the best-accepted
         # source (measured on LongBench QA rows); retrieval branches, pruned, fill the remaining budget.
@@ -127,6 +139,11 @@ class RasdProposer:
         tree.bucket = match_class(max((t.bucket for t in trees), default=0))
         tree.pruned = pruned
         return tree
+
+    def _gate_bucket(self, trees: list[DraftTree]) -> int:
+        """The gate's context: retrieval found nothing / a short match (< 4 tokens) / a long one."""
+        longest = max((t.bucket for t in trees if t.num_draft_tokens), default=0)
+        return 0 if longest == 0 else 1 if longest < 4 else 2
 
     def _recycle(self, context: list[int], trees: list[DraftTree]) -> bool:
         """Whether to add the recycled tree: always, ("fallback") only when nothing else matched, or ("auto")
