@@ -79,22 +79,20 @@ def test_reset_does_not_credit_the_gap_between_requests() -> None:
     assert gate.buckets[0].arms[DRAFT].rate == 2.0
 
 
-def test_a_pull_lasts_a_block_of_steps() -> None:
+def test_a_choice_holds_for_a_block_of_the_buckets_steps() -> None:
     clock = Clock()
     gate = DraftGate(block=4, clock=clock)
-    arms = []
-    length = 10
-    for _ in range(8):
-        arms.append(gate.choose(length, 0))
+    arms, length = [], 10
+    for i in range(8):
+        bucket = 1 if i == 2 else 0                      # a step of another bucket does not end the block
+        arms.append(gate.choose(length, bucket))
         clock.now += 1.0
         length += 2 if arms[-1] else 1
-    assert arms == [DRAFT] * 4 + [DRAFT] * 4        # min_pulls: the draft arm is pulled twice first
-    arms = [gate.choose(length, 0)]
-    assert gate.buckets[0].arms[DRAFT].pulls == 2
-    assert gate.buckets[0].arms[DRAFT].rate == 2.0   # 8 tokens in 4 s per block
-    assert arms == [PLAIN]
-    assert gate.choose(length + 1, 1) == DRAFT       # another bucket ends the pull early
-    assert gate.buckets[0].arms[PLAIN].pulls == 1
+    assert [a for i, a in enumerate(arms) if i != 2] == [DRAFT] * 4 + [PLAIN] * 3   # each arm's first block
+    gate.choose(length, 0)
+    assert gate.buckets[0].arms[DRAFT].rate == 2.0       # 2 tokens per second, every step credited
+    assert gate.buckets[0].arms[PLAIN].rate == 1.0
+    assert gate.buckets[1].arms[DRAFT].pulls == 1
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -7,16 +7,18 @@ step) drafting makes decoding slower than plain decoding, and where retrieval al
 (extraction, document QA) the draft adds nothing to it. Predicting acceptance from the draft's own
 probabilities needs them calibrated; measuring the outcome does not.
 
-`DraftGate` measures it. A pull of one arm, "draft" or "plain" (no model draft: the other sources, or a
-plain step), lasts `block` steps in one context bucket the caller names (the retrieval match class for
-`rasd`). Its reward is observed at the `choose` after it: tokens committed since the pull began and the
-wall time since, which covers the drafts, the verifications and everything else the steps did. Blocks,
-not single steps: one step's token count is too noisy to compare arms that differ by 10%, and a draft
-that was idle pays a longer catch-up forward on its first step back (measured: 30 ms against 22 ms for
-the EESD self-draft), which a one-step pull would charge in full. Per bucket and arm the gate keeps decayed sums
-of both (tokens/s = the ratio of the sums, the right mean for throughput) and picks the better arm;
-the other arm is tried again after `explore_every` steps, the interval doubling while it keeps losing
-(at most `max_backoff` times), so a drafter that never pays costs about one step in a hundred.
+`DraftGate` measures it. Every step is credited to its arm, "draft" or "plain" (no model draft: the other
+sources, or a plain step), in a context bucket the caller names (the retrieval match class for `rasd`):
+the tokens it committed and its wall time, observed at the next `choose` (so it covers the drafts, the
+verification and everything else the step did). Per bucket and arm the gate keeps decayed sums of both
+(tokens/s = the ratio of the sums, the right mean for throughput). A bucket's choice holds for `block` of
+its steps, then the better arm is taken again; the other arm gets a block after `explore_every` blocks, the
+interval doubling while it keeps losing (at most `max_backoff` times): a drafter that never pays gets one
+block in thirteen, a bound kept short because the kind of text changes between requests (with a back-off
+of 32 blocks, a switch from coding prompts to translation would go unnoticed for up to 256 steps).
+Blocks, not single steps: a draft that was idle pays a longer catch-up forward on its first step back
+(measured: 30 ms against 22 ms for the EESD self-draft), and switching every step would pay it every
+time; a block also gives the losing arm enough steps to be measured.
 
 Output is unaffected: the gate only decides which candidates are proposed; verification decides the tokens.
 """
@@ -51,12 +53,15 @@ class ArmStats:
 
 @dataclass
 class Bucket:
-    """Both arms of one context bucket and its exploration schedule."""
+    """Both arms of one context bucket, its current choice and its exploration schedule."""
 
     arms: dict[bool, ArmStats] = field(default_factory=lambda: {DRAFT: ArmStats(), PLAIN: ArmStats()})
-    since_other: int = 0       # steps since the losing arm was last pulled
-    backoff: int = 1           # the losing arm is pulled every explore_every * backoff steps
-    leader: bool = DRAFT       # the better arm when the last exploration was scheduled
+    arm: bool = DRAFT          # the current block's arm
+    steps_left: int = 0        # steps left in the current block
+    exploring: bool = False    # the current block pulls the losing arm
+    since_other: int = 0       # blocks since the losing arm was last pulled
+    backoff: int = 1           # the losing arm is pulled every explore_every * backoff blocks
+    leader: bool = DRAFT       # the better arm when the current exploration began
 
     def best(self) -> bool:
         return DRAFT if self.arms[DRAFT].rate >= self.arms[PLAIN].rate else PLAIN
@@ -64,69 +69,61 @@ class Bucket:
 
 @dataclass
 class Pending:
-    """The pull in progress: its arm, bucket, committed length and start time."""
+    """The step in progress: its arm, bucket, committed length and start time."""
 
     arm: bool
     bucket: int
     length: int
     start: float
-    exploring: bool
-    steps_left: int
 
 
 class DraftGate:
     """Draft or not, per context bucket, by measured tokens per second (see the module docstring)."""
 
-    def __init__(self, block: int = 8, explore_every: int = 4, max_backoff: int = 8, decay: float = 0.8,
-                 min_pulls: int = 2, clock: Callable[[], float] = time.perf_counter):
-        self.block = block
-        self.explore_every, self.max_backoff, self.decay, self.min_pulls = explore_every, max_backoff, decay, min_pulls
+    def __init__(self, block: int = 8, explore_every: int = 3, max_backoff: int = 4, decay: float = 0.95,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.block, self.explore_every, self.max_backoff, self.decay = block, explore_every, max_backoff, decay
         self.clock = clock
         self.buckets: dict[int, Bucket] = {}
         self.pending: Pending | None = None
-        self.choices = {DRAFT: 0, PLAIN: 0}    # pulls per arm (statistics, tests)
+        self.choices = {DRAFT: 0, PLAIN: 0}    # steps per arm (statistics, tests)
 
     def reset(self) -> None:
         """A new request: the time since the last step of the previous one is not a step."""
         self.pending = None
 
     def choose(self, context_len: int, bucket: int = 0) -> bool:
-        """Say whether to run the drafter this step (True = draft): the current pull's arm while it lasts,
-        else record its reward and start a new pull."""
-        pull = self.pending
-        if pull is not None and pull.steps_left > 0 and pull.bucket == bucket and context_len > pull.length:
-            pull.steps_left -= 1
-            self.choices[pull.arm] += 1
-            return pull.arm
+        """Credit the previous step to its arm, then say whether to run the drafter this step (True = draft)."""
         now = self.clock()
         self._record(context_len, now)
         state = self.buckets.setdefault(bucket, Bucket())
-        arm, exploring = self._pick(state)
-        self.pending = Pending(arm, bucket, context_len, now, exploring, self.block - 1)
-        self.choices[arm] += 1
-        return arm
+        if state.steps_left <= 0:
+            self._next_block(state)
+        state.steps_left -= 1
+        self.pending = Pending(state.arm, bucket, context_len, now)
+        self.choices[state.arm] += 1
+        return state.arm
 
     def _record(self, context_len: int, now: float) -> None:
-        """Credit the tokens committed since the pending pull, and the time it took, to its arm."""
-        pull, self.pending = self.pending, None
-        if pull is None or context_len <= pull.length:
-            return
-        state = self.buckets[pull.bucket]
-        state.arms[pull.arm].add(context_len - pull.length, now - pull.start, self.decay)
-        if pull.exploring:   # did the exploration change the leader? then explore eagerly again
-            state.backoff = 1 if state.best() != state.leader else min(2 * state.backoff, self.max_backoff)
+        """Credit the tokens committed since the pending step, and its time, to its bucket and arm."""
+        step, self.pending = self.pending, None
+        if step is not None and context_len > step.length:
+            self.buckets[step.bucket].arms[step.arm].add(context_len - step.length, now - step.start, self.decay)
 
-    def _pick(self, state: Bucket) -> tuple[bool, bool]:
-        """(arm, exploring): each arm's first pulls, then the leader, with the other arm now and then."""
+    def _next_block(self, state: Bucket) -> None:
+        """Each arm's first block, then the leader, with a block of the other arm now and then."""
+        if state.exploring:   # did the exploration change the leader? then explore eagerly again
+            state.backoff = 1 if state.best() != state.leader else min(2 * state.backoff, self.max_backoff)
+        state.steps_left, state.exploring = self.block, False
         for arm in (DRAFT, PLAIN):
-            if state.arms[arm].pulls < self.min_pulls:
-                return arm, False
-        leader = state.best()
+            if state.arms[arm].pulls < self.block:
+                state.arm = arm
+                return
+        state.arm = state.leader = state.best()
         state.since_other += 1
         if state.since_other >= self.explore_every * state.backoff:
-            state.since_other, state.leader = 0, leader
-            return not leader, True
-        return leader, False
+            state.since_other, state.exploring = 0, True
+            state.arm = not state.arm
 
     def share(self) -> float:
         """Fraction of steps that ran the drafter so far."""
