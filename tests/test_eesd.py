@@ -323,3 +323,20 @@ def test_adaeagle_with_the_self_draft_spec_uses_the_eesd_predictor(tmp_path: Pat
     draft = load_draft("eesd", loaded, str(exit_file(tmp_path, target)))
     with pytest.raises(ValueError, match="--drafter eesd"):
         build_decoder(loaded, "adaeagle", draft=draft)
+
+
+@pytest.mark.parametrize("answer", [True, False])
+def test_eesd_behind_a_gate_equals_hf(tmp_path: Path, answer: bool) -> None:
+    """A closed gate (`rasd.decoding.gate`) means no draft forward at all; output is HF greedy either way."""
+    from tests.test_gate import Fixed
+
+    target = tiny_llama(0)
+    gate = Fixed(answer)
+    proposer = make_proposer("eesd", target_model=target, eesd=exit_file(tmp_path, target, 0.0), gate=gate)
+    forwards: list[int] = []
+    proposer.model.get_decoder().layers[-1].register_forward_hook(lambda *_: forwards.append(1))   # the exit layer
+    prompt = random_prompt(12, 4)
+    out = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16)).generate(prompt, max_new_tokens=20)
+    assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 20), f"gate={answer}")
+    assert bool(forwards) == answer and gate.choices[answer] > 0
+    assert (out.stats.num_accepted_tokens > 0) == answer   # the draft IS the target: accepted when it runs
