@@ -34,7 +34,7 @@ DRAFT, PLAIN = True, False
 
 @dataclass
 class ArmStats:
-    """Decayed sums of one arm's pulls in one bucket."""
+    """Decayed sums of one arm's steps in one bucket (`pulls`: steps credited)."""
 
     tokens: float = 0.0
     seconds: float = 0.0
@@ -47,7 +47,7 @@ class ArmStats:
 
     @property
     def rate(self) -> float:
-        """Committed tokens per second of the pulls kept in the sums."""
+        """Committed tokens per second of the steps kept in the sums."""
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 

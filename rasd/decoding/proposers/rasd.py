@@ -65,9 +65,9 @@ class RasdProposer:
         self.prune_config = prune_config or PruneConfig()
         self.probs_fn = probs_fn if probs_fn is not None else self._probability_source(prune_with)
         self._probs_from_draft = probs_fn is None and prune_with in ("auto", "draft") and self.draft is not None
-        # Whether to run the draft model this step, per retrieval match class: where the
-        # request's own text already has the continuation, or the draft is rarely right, its forwards cost
-        # more than the tokens they add (measured; `rasd.decoding.gate`). The engine gives one with cost sizing.
+        # Whether to run the draft model this step, per retrieval match class: where the request's own text
+        # already has the continuation, or the draft is rarely right, its forwards cost more than the tokens
+        # they add (measured; `rasd.decoding.gate`). The engine gives one with cost sizing.
         self.gate = gate if self.draft is not None else None
 
     @staticmethod
@@ -127,8 +127,7 @@ class RasdProposer:
         probs = (self.probs_fn(context) if self.probs_fn is not None and retrieved.num_draft_tokens
                  and (use_draft or not self._probs_from_draft) else None)
         kept, pruned = prune(retrieved, probs, self.prune_config)
-        tree = (self._draft_tree(context, max_nodes, kept.num_draft_tokens) if use_draft
-                else DraftTree.root_only(context[-1]))
+        tree = self._draft_tree(context, max_nodes, kept.num_draft_tokens, use_draft)
         # The request's own text (prompt + output) goes in before the datastore: in document QA the cited
         # chunks are in the prompt and small models repeat their own phrasing, so it is the best-accepted
         # source (measured on LongBench QA rows); retrieval branches, pruned, fill the remaining budget.
@@ -165,9 +164,9 @@ class RasdProposer:
         if self.recycling is not None:
             self.recycling.observe(context, tree, verdict, logits)
 
-    def _draft_tree(self, context: list[int], max_nodes: int, retrieved_nodes: int) -> DraftTree:
-        """The draft model's tree (root only without one), leaving room for up to half the budget of retrieval."""
-        if self.draft is None:
+    def _draft_tree(self, context: list[int], max_nodes: int, retrieved_nodes: int, use_draft: bool) -> DraftTree:
+        """The draft model's tree (root only when it is off this step), leaving up to half the budget to retrieval."""
+        if not use_draft:
             return DraftTree.root_only(context[-1])
         budget = max(max_nodes - min(retrieved_nodes, max_nodes // 2), 1)
         return self.draft.propose(context, budget)
