@@ -334,7 +334,7 @@ def test_eesd_behind_a_gate_equals_hf(tmp_path: Path, answer: bool) -> None:
     gate = Fixed(answer)
     proposer = make_proposer("eesd", target_model=target, eesd=exit_file(tmp_path, target, 0.0), gate=gate)
     forwards: list[int] = []
-    proposer.model.get_decoder().layers[-1].register_forward_hook(lambda *_: forwards.append(1))   # the exit layer
+    proposer.model.get_decoder().norm.register_forward_hook(lambda *_: forwards.append(1))   # every draft forward
     prompt = random_prompt(12, 4)
     out = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16)).generate(prompt, max_new_tokens=20)
     assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 20), f"gate={answer}")

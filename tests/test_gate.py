@@ -118,7 +118,7 @@ def test_gated_proposers_equal_hf_greedy(method: str, answer: bool) -> None:
     gate = Fixed(answer)
     proposer = make_proposer(method, draft_model=draft, gate=gate)
     forwards = []
-    draft.register_forward_hook(lambda *_: forwards.append(1))
+    draft.model.norm.register_forward_hook(lambda *_: forwards.append(1))
     out = SpeculativeDecoder(target, proposer, sizer=FixedSizer(8)).generate(prompt, max_new_tokens=24)
     assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 24), method)
     assert gate.choices[answer] > 0

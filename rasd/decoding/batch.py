@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rasd.decoding import lean
 from rasd.decoding.batch_sizing import BatchSizer
 from rasd.decoding.cache import GrowableLayer, TreeCache
 from rasd.decoding.control import CostAwareSizer
@@ -29,7 +30,7 @@ from rasd.decoding.cost import CostCurve
 from rasd.decoding.engine import GenerationStream
 from rasd.decoding.kernels import fast_kernels
 from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict, accept_greedy, accept_sampling, cache_kwargs
+from rasd.decoding.verify import Verdict, accept_greedy, accept_sampling
 
 
 class BatchCache(TreeCache):
@@ -235,10 +236,8 @@ class BatchDecoder:
         param = next(self.model.parameters())
         t0 = time.perf_counter()
         ids, pos, mask = batch_inputs(trees, cache.row_lengths, past_len, param.dtype, param.device)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                         **cache_kwargs(self.model, cache))
+        logits = lean.forward(self.model, cache, ids, pos, mask).float()   # [B, T, vocab]
         forward_s[0] = time.perf_counter() - t0
-        logits = out.logits.float()   # [B, T, vocab]
         verdicts: list[Verdict] = []
         for b, (stream, tree) in enumerate(zip(self.streams, trees, strict=True)):
             row = logits[b, : len(tree)]

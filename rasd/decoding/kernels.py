@@ -1,21 +1,27 @@
 """Faster skinny matrix multiplies and tree attention for verification on CPU.
 
-Verification multiplies a few activations (M = tree size, 2..64) by every weight matrix. On this machine's
-MKL, `F.linear(x, W)` for 2 <= M <= 16 costs about 2x the M = 1 case (the LM head, 49152 x 576: 20 ms vs
-9 ms), while the same product written as `(W @ x.T).T` takes 5 ms: the library picks a different kernel.
-That product comes out transposed; it is copied to a row-major layout, because a query whose last dimension
-is strided sends `scaled_dot_product_attention` down its slow math path (with a masked 2-token tree that
-path cost more than all the matrix products together). Tree steps also pass the grouped key/value heads
-to the attention kernel as they are (`enable_gqa`) instead of HF's `repeat_kv` copy of the whole cache.
+Verification multiplies a few activations (M = tree size, 2..64) by every weight matrix. Which BLAS kernel
+is fastest for such skinny products depends on the CPU. On one machine (AVX2, no AVX-512) `F.linear(x, W)`
+for 2 <= M <= 16 cost about 2x the M = 1 case (the LM head, 49152 x 576: 20 ms vs 9 ms), while the same
+product written as `(W @ x.T).T` took 5 ms. On another (AVX-512) it is the reverse up to M = 8 (the
+576 x 576 product at M = 2: 11 us with `F.linear`, 51 us transposed) and the transposed form wins only from
+M = 16 on some shapes. So the choice is measured, not assumed: the first time a (weight shape, M bucket)
+is seen inside `fast_kernels()`, both forms are timed a few times and the faster one is kept for the
+process (`linear_choices()` shows them; `RASD_LINEAR=stock|transposed` forces one). A transposed product
+comes out column-major; it is copied to a row-major layout, because a query whose last dimension is strided
+sends `scaled_dot_product_attention` down its slow math path.
 
-With both, a 2-4 token tree costs about one plain step on this CPU. Only inside `fast_kernels()`: HF
-baselines sharing the module keep stock behaviour. The results are the same products and attention with
-another summation order (differences ~1e-7).
+Tree steps also pass the grouped key/value heads to the attention kernel as they are (`enable_gqa`) instead
+of HF's `repeat_kv` copy of the whole cache. Only inside `fast_kernels()`: HF baselines sharing the module
+keep stock behaviour. The results are the same products and attention with another summation order
+(differences ~1e-7).
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,23 +35,70 @@ _state = threading.local()
 _STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
 
-def _enabled() -> bool:
+def fast_enabled() -> bool:
+    """Whether this thread is inside `fast_kernels()` (the engine's fast path; see also `lean`)."""
     return getattr(_state, "on", False)
 
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`F.linear`, except for M >= 2 rows on CPU inside `fast_kernels()`, where W @ x.T is faster."""
-    if not _enabled() or x.device.type != "cpu" or x.dim() < 2:
+    """`F.linear`, or for M >= 2 rows on CPU inside `fast_kernels()`, W @ x.T where that measured faster."""
+    if not fast_enabled() or x.device.type != "cpu" or x.dim() < 2:
         return F.linear(x, self.weight, self.bias)
     rows = x.reshape(-1, x.shape[-1])   # [M, in]
-    if rows.shape[0] < 2:
+    head = getattr(self, "_rasd_head", False)
+    if not 2 <= rows.shape[0] <= _MAX_TUNED_ROWS or not _transposed_faster(self.weight, rows.shape[0], head):
         return F.linear(x, self.weight, self.bias)
-    out = (self.weight @ rows.t()).t()  # [M, out], column-major
-    if not getattr(self, "_rasd_head", False):
-        out = out.contiguous()          # the LM head's logits are only read: skip a 49152-wide copy
+    out = _transposed(self.weight, rows, head)
     if self.bias is not None:
         out = out + self.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _transposed(weight: torch.Tensor, rows: torch.Tensor, head: bool) -> torch.Tensor:
+    """(W @ x.T).T: [M, out]; row-major unless it is the LM head (its logits are only read)."""
+    out = (weight @ rows.t()).t()
+    return out if head else out.contiguous()
+
+
+_CHOICES: dict[tuple[Any, ...], bool] = {}   # (out, in, M bucket, dtype, threads, head) -> transposed?
+_TUNE_ROUNDS = 5
+_MAX_TUNED_ROWS = 64   # trees; a prefill (hundreds of rows) is not skinny: stock, and no timing on the way
+
+
+def _rows_bucket(rows: int) -> int:
+    """1, 2, then powers of two (3-4 -> 4, 5-8 -> 8, ...): the cost curve's sizes cover every bucket."""
+    return rows if rows <= 2 else 1 << (rows - 1).bit_length()
+
+
+def _transposed_faster(weight: torch.Tensor, rows: int, head: bool) -> bool:
+    """Whether W @ x.T beats F.linear for this weight and row count (measured once per process)."""
+    forced = os.environ.get("RASD_LINEAR", "auto")
+    if forced in ("stock", "transposed"):
+        return forced == "transposed"
+    key = (*weight.shape, _rows_bucket(rows), weight.dtype, torch.get_num_threads(), head)
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _CHOICES[key] = _time_forms(weight, key[2], head)
+    return choice
+
+
+@torch.inference_mode()
+def _time_forms(weight: torch.Tensor, rows: int, head: bool) -> bool:
+    """Best of a few interleaved timings of both forms; the transposed one must win by 10% to be used."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(_TUNE_ROUNDS):
+        for transposed in (False, True):
+            t0 = time.perf_counter()
+            _transposed(weight, x, head) if transposed else F.linear(x, weight)
+            best[transposed] = min(best[transposed], time.perf_counter() - t0)
+    return best[True] < 0.9 * best[False]
+
+
+def linear_choices() -> dict[str, str]:
+    """What was measured so far, readable: "out x in @ M" -> "transposed" | "stock"."""
+    return {f"{k[0]}x{k[1]}@{k[2]}{' head' if k[5] else ''}": "transposed" if v else "stock"
+            for k, v in sorted(_CHOICES.items(), key=lambda kv: kv[0][:3])}
 
 
 def _tree_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -56,7 +109,7 @@ def _tree_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     query [B, H, T, D]; key/value [B, H_kv, past + T, D]; attention_mask [B, 1, T, past + T] (additive).
     """
     groups = getattr(module, "num_key_value_groups", 1)
-    if (not _enabled() or attention_mask is None or query.device.type != "cpu" or groups <= 1
+    if (not fast_enabled() or attention_mask is None or query.device.type != "cpu" or groups <= 1
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
         return _STOCK_SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
@@ -79,7 +132,7 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
 @contextmanager
 def fast_kernels(enabled: bool = True) -> Iterator[None]:
     """Use the faster skinny products in this thread for the duration of the block."""
-    previous = _enabled()
+    previous = fast_enabled()
     _state.on = enabled
     try:
         yield

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rasd.decoding import lean
 from rasd.decoding.cache import TreeCache
 from rasd.decoding.sampling import SamplingParams, sample, target_probs
 from rasd.decoding.tree import DraftTree
@@ -63,9 +64,7 @@ def tree_forward(model: torch.nn.Module, cache: TreeCache, tree: DraftTree) -> t
         mask = None
     else:
         input_ids, position_ids, mask = tree_inputs(tree, past_len, param.dtype, param.device)
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                use_cache=True, **cache_kwargs(model, cache))
-    return out.logits[0].float()
+    return lean.forward(model, cache, input_ids, position_ids, mask)[0].float()
 
 
 def cache_kwargs(model: torch.nn.Module, cache: TreeCache) -> dict[str, TreeCache]:

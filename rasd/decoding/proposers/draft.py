@@ -23,12 +23,13 @@ from collections.abc import Callable
 
 import torch
 
+from rasd.decoding import lean
 from rasd.decoding.cache import TreeCache
 from rasd.decoding.gate import DraftGate
 from rasd.decoding.sampling import GREEDY, SamplingParams, target_probs
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.trees import DEFAULT_MAX_DEPTH, delta_from_times, grow_opt_tree
-from rasd.decoding.verify import Verdict, cache_kwargs
+from rasd.decoding.verify import Verdict
 
 SOURCE = "draft"
 SHAPES = ("topk", "optree")
@@ -129,9 +130,9 @@ class DraftModelProposer:
         ids = torch.tensor([new], dtype=torch.long, device=self.device)
         pos = torch.arange(common, len(context), device=self.device)[None]
         t0 = time.perf_counter()
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **cache_kwargs(self.model, self.cache))
+        logits = lean.forward(self.model, self.cache, ids, pos, last_only=True)   # [1, 1, vocab]
         self.cached = list(context)
-        self.root_logits = out.logits[0, -1].float()
+        self.root_logits = logits[0, -1].float()
         if len(new) <= 4:   # a catch-up of a few tokens costs about one draft step: a sample for δ
             self._time_forward(t0)
         return self.root_logits
@@ -155,9 +156,7 @@ class DraftModelProposer:
         ids = torch.tensor([[tree.tokens[i] for i in nodes]], device=self.device)
         pos = torch.tensor([[context_len - 1 + depths[i] for i in nodes]], device=self.device)
         t0 = time.perf_counter()
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask[None, None].to(self.device),
-                         use_cache=True, **cache_kwargs(self.model, self.cache))
-        logits = out.logits[0].float()
+        logits = lean.forward(self.model, self.cache, ids, pos, mask[None, None].to(self.device))[0].float()
         self._time_forward(t0)
         return logits
 

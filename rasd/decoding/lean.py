@@ -1,0 +1,139 @@
+"""A lean forward for Llama-family causal LMs: HF's own operations, without HF's per-module call overhead.
+
+Why: a decoding step of a small model on a CPU is short (SmolLM2-135M: ≈ 64 ms at 1k context, 2 threads),
+and a good part of what is not matrix products is Python: `nn.Module.__call__` hook checks on ~450 modules,
+keyword-argument decorators, output dataclasses, mask building and cache dispatch. A draft forward is
+shorter still (EESD's 5 layers: ≈ 22 ms, of which the linear layers are ≈ 9 ms), so there the overhead is
+most of the cost. This module runs the same tensors through the same operations in the same order —
+embedding, RMSNorm in float32, rotary from the model's own `rotary_emb`, q/k/v/o and MLP through each
+Linear's (possibly `kernels`-patched) `forward`, `scaled_dot_product_attention` with grouped kv heads, the
+final norm and the LM head as modules (so forward hooks on them, such as AdaEAGLE's tap, still fire) — and
+writes keys/values straight into the `TreeCache` layers. Logits match HF's forward bit for bit on the
+architectures it accepts (tests/test_lean.py); anything else goes through HF.
+
+Used only inside `kernels.fast_kernels()` (the engine's fast path); outside it, and for unsupported
+models, `forward` calls the HF model.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rasd.decoding.cache import TreeCache
+from rasd.decoding.kernels import fast_enabled
+
+# Architectures whose decoder layer is exactly: pre-norm attention (q/k/v/o Linear, rotary, GQA) + pre-norm
+# gated SiLU MLP, RMSNorm in float32 — what `_layer` below computes.
+_SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM"}
+
+
+@functools.cache
+def _supported_class(name: str) -> bool:
+    return name in _SUPPORTED
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether `forward` may bypass HF for this model (else it calls the model itself)."""
+    cached = getattr(model, "_rasd_lean", None)
+    if cached is None:
+        cached = _check(model)
+        model._rasd_lean = cached
+    return cached
+
+
+def _check(model: torch.nn.Module) -> bool:
+    """Llama/Qwen2 with sdpa attention, SiLU MLP, no sliding window, no tensor-parallel split."""
+    config = getattr(model, "config", None)
+    if config is None or not _supported_class(type(model).__name__):
+        return False
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(inner, "rotary_emb"):
+        return False
+    return (getattr(config, "_attn_implementation", None) == "sdpa"
+            and getattr(config, "hidden_act", "silu") == "silu"
+            and getattr(config, "pretraining_tp", 1) == 1
+            and not getattr(config, "use_sliding_window", False)
+            and all(hasattr(layer.self_attn, "q_proj") and not hasattr(layer.self_attn, "q_norm")
+                    for layer in layers))
+
+
+def forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+            mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    """Logits [1, T, vocab] (or [1, 1, vocab] with `last_only`) for input_ids [1, T], appending to `cache`.
+
+    mask: additive [1, 1, T, past + T], or None for plain causal attention over the cache.
+    """
+    if not (fast_enabled() and input_ids.device.type == "cpu" and supports(model)):
+        return _hf_forward(model, cache, input_ids, position_ids, mask, last_only)
+    hidden = _decode(model.model, cache, input_ids, position_ids, mask)
+    if last_only:
+        hidden = hidden[:, -1:]
+    return model.lm_head(model.model.norm(hidden))
+
+
+def _hf_forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                mask: torch.Tensor | None, last_only: bool) -> torch.Tensor:
+    from rasd.decoding.verify import cache_kwargs
+
+    extra: dict[str, Any] = {"logits_to_keep": 1} if last_only else {}
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                **cache_kwargs(model, cache), **extra)
+    return out.logits
+
+
+def _decode(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+            mask: torch.Tensor | None) -> torch.Tensor:
+    """Hidden states [1, T, H] after the last decoder layer (before the final norm)."""
+    hidden = F.embedding(input_ids, inner.embed_tokens.weight)           # [1, T, H]
+    cos, sin = inner.rotary_emb.forward(hidden, position_ids)            # [1, T, D] each
+    cos, sin = cos[:, None], sin[:, None]                                # broadcast over heads
+    if mask is None and input_ids.shape[1] > 1:
+        mask = _causal_mask(cache.get_seq_length(), input_ids.shape[1], hidden.dtype, hidden.device)
+    for layer, kv in zip(inner.layers, cache.layers, strict=False):
+        hidden = _layer(layer, kv, hidden, cos, sin, mask)
+    return hidden
+
+
+def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           mask: torch.Tensor | None) -> torch.Tensor:
+    """One decoder layer, as LlamaDecoderLayer computes it."""
+    attn, mlp = layer.self_attn, layer.mlp
+    batch, length = hidden.shape[:2]
+    x = _rms(hidden, layer.input_layernorm)
+    shape = (batch, length, -1, attn.head_dim)
+    q = attn.q_proj.forward(x).view(shape).transpose(1, 2)              # [B, H, T, D]
+    k = attn.k_proj.forward(x).view(shape).transpose(1, 2)              # [B, H_kv, T, D]
+    v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    k, v = kv.update(k, v)                                               # [B, H_kv, past + T, D]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+    o = o.transpose(1, 2).reshape(batch, length, -1)                     # [B, T, H * D]
+    hidden = hidden + attn.o_proj.forward(o)
+    x = _rms(hidden, layer.post_attention_layernorm)
+    return hidden + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+
+
+def _rms(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """LlamaRMSNorm.forward: normalise in float32, scale in the input dtype."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x32.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary_pos_emb for one tensor: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _causal_mask(past: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive [1, 1, T, past + T]: token i sees the cache and new tokens 0..i."""
+    allowed = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(diagonal=past)
+    mask = torch.zeros(length, past + length, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
