@@ -126,7 +126,30 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
             module._rasd_fast = True
             module._rasd_head = module is head
     ALL_ATTENTION_FUNCTIONS["sdpa"] = _tree_sdpa
+    _tune(model, head)
     return model
+
+
+def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
+    """Measure the kernel choice for every CPU Linear shape and tree-size bucket now, not mid-decoding.
+
+    Why up front: measured lazily, the first tree of each size would carry the timing (≈ 0.1 s for the LM
+    head) and the cost-aware sizer, which learns from measured verification times, would take that size
+    for expensive. Once per (shape, bucket, threads) in a process: under a second for SmolLM2-135M.
+    """
+    seen = set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) or weight is None or weight.device.type != "cpu":
+            continue
+        shape = (tuple(weight.shape), module is head)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        rows = 2
+        while rows <= _MAX_TUNED_ROWS:
+            _transposed_faster(weight, rows, module is head)
+            rows *= 2
 
 
 @contextmanager

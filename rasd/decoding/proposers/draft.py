@@ -33,6 +33,7 @@ from rasd.decoding.verify import Verdict
 
 SOURCE = "draft"
 SHAPES = ("topk", "optree")
+DEFAULT_WINDOW = 256   # prompt tokens a draft reads (see `DraftModelProposer.__init__`)
 
 
 class DraftModelProposer:
@@ -43,7 +44,8 @@ class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, max_depth: int | None = None, top_k: int = 1, width: int = 1,
                  min_prob: float | None = 0.05, seed: int = 0, shape: str = "topk", delta: float | None = None,
                  target_step_s: Callable[[int], float | None] | None = None,
-                 node_cap: Callable[[int], int] | None = None, gate: DraftGate | None = None):
+                 node_cap: Callable[[int], int] | None = None, gate: DraftGate | None = None,
+                 window: int | None = DEFAULT_WINDOW):
         if shape not in SHAPES:
             raise ValueError(f"unknown draft shape {shape!r}; choose one of {', '.join(SHAPES)}")
         self.model = model
@@ -67,14 +69,20 @@ class DraftModelProposer:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = TreeCache.for_model(model)
-        self.cached: list[int] = []     # tokens whose keys/values are in self.cache
+        self.cached: list[int] = []     # tokens whose keys/values are in self.cache: context[offset:]
+        # The draft reads at most the last `window` tokens of a request's prompt (then everything after it).
+        # Why: its first forward of a request, or the first after the gate kept it idle, must run over every
+        # token it has not seen; over a 1k-token document-QA prompt that is a prefill of the draft's layers
+        # (≈ 0.2 s for the EESD self-draft on a CPU, several target steps) for one draft. Drafts are verified,
+        # so a shorter draft context can only cost acceptance, never change the output.
+        self.window, self.offset = window, 0
         self.sampling = GREEDY
         self.gen = torch.Generator().manual_seed(seed)
         self.root_logits: torch.Tensor | None = None   # [vocab] draft logits at the root of self.cached
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         self.cache = TreeCache.for_model(self.model)
-        self.cached = []
+        self.cached, self.offset = [], 0
         self.root_logits = None
         self.sampling = sampling
         if sampling.seed is not None:
@@ -113,29 +121,36 @@ class DraftModelProposer:
         draft forward for free.
         """
         logits = self.root_logits
-        if logits is None or self.cached != context:
+        if logits is None or not self._holds(context):
             logits = self._sync(context)   # leaves the cache holding exactly `context`
         return logits.softmax(-1)
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Make the cache hold context[:-1] + root and return the draft logits at the root [vocab]."""
-        if self.root_logits is not None and self.cached == context:
+        if self.root_logits is not None and self._holds(context):
             return self.root_logits      # already synced (root_probs ran first): no forward needed
+        if not self.cached and self.window is not None:
+            self.offset = max(0, len(context) - self.window)
+        seen = context[self.offset:]
         common = 0
-        limit = min(len(self.cached), len(context) - 1)
-        while common < limit and self.cached[common] == context[common]:
+        limit = min(len(self.cached), len(seen) - 1)
+        while common < limit and self.cached[common] == seen[common]:
             common += 1
         self.cache.crop(-(self.cache.get_seq_length() - common))
-        new = context[common:]
+        new = seen[common:]
         ids = torch.tensor([new], dtype=torch.long, device=self.device)
-        pos = torch.arange(common, len(context), device=self.device)[None]
+        pos = torch.arange(self.offset + common, len(context), device=self.device)[None]   # true positions
         t0 = time.perf_counter()
         logits = lean.forward(self.model, self.cache, ids, pos, last_only=True)   # [1, 1, vocab]
-        self.cached = list(context)
+        self.cached = list(seen)
         self.root_logits = logits[0, -1].float()
         if len(new) <= 4:   # a catch-up of a few tokens costs about one draft step: a sample for δ
             self._time_forward(t0)
         return self.root_logits
+
+    def _holds(self, context: list[int]) -> bool:
+        """Whether the draft cache holds exactly this context (from `offset` on)."""
+        return len(self.cached) == len(context) - self.offset and self.cached == context[self.offset:]
 
     def _time_forward(self, t0: float) -> None:
         """Fold one draft forward's wall time (since t0) into the EMA behind δ."""
@@ -150,7 +165,7 @@ class DraftModelProposer:
         past = self.cache.get_seq_length()              # context + tree nodes 1..first-1
         anc = tree.ancestor_mask()[first:, 1:]          # [n, len(tree) - 1], root is part of the context
         visible = torch.ones(len(nodes), past + len(nodes), dtype=torch.bool)
-        visible[:, context_len:] = anc
+        visible[:, context_len - self.offset:] = anc
         mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, torch.finfo(self.dtype).min)
         depths = tree.depths()
         ids = torch.tensor([[tree.tokens[i] for i in nodes]], device=self.device)
