@@ -78,6 +78,7 @@ def test_load_or_measure_caches_to_disk(tmp_path: Path, monkeypatch: pytest.Monk
         return real(model, context_len, sizes=(1, 2, 8), repeats=1, key=key, progress=False)
 
     monkeypatch.setattr(cost_mod, "measure_curve", quick_measure)
+    monkeypatch.setattr(cost_mod, "machine_probe", lambda: 0.001)   # a machine exactly as busy as before
     small, large = context_bucket(100), context_bucket(100_000)
     assert small != large
     same = next(n for n in range(101, 100_000) if context_bucket(n) == small)
@@ -103,6 +104,32 @@ def test_load_or_measure_caches_to_disk(tmp_path: Path, monkeypatch: pytest.Monk
     repaired = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
     assert calls == [small, large, small] and repaired.sizes == [1, 2, 8]
     assert json.loads(files[0].read_text())["sizes"] == [1, 2, 8]
+
+
+def test_a_curve_measured_on_a_busy_machine_is_measured_again(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe timed beside a cached curve ran 2x slower than it runs now: the curve is re-measured."""
+    model = tiny_llama(0)
+    real = cost_mod.measure_curve
+    calls: list[float] = []
+    probe = {"now": 0.002}
+    monkeypatch.setattr(cost_mod, "machine_probe", lambda: probe["now"])
+
+    def quick_measure(model, context_len, key="", **kwargs):   # noqa: ANN001, ANN202
+        calls.append(probe["now"])
+        return real(model, context_len, sizes=(1, 2), repeats=1, key=key, progress=False)
+
+    monkeypatch.setattr(cost_mod, "measure_curve", quick_measure)
+    busy = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    assert busy.probe_s == 0.002 and calls == [0.002]
+    probe["now"] = 0.0019                                    # within the ratio: trusted
+    load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    assert calls == [0.002]
+    probe["now"] = 0.001                                     # the machine is twice as fast now
+    fresh = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    assert calls == [0.002, 0.001] and fresh.probe_s == 0.001
+    stored = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert stored["probe_s"] == 0.001, "the re-measured curve replaced the busy one on disk"
 
 
 # ------------------------------------------------------------------------------------------------------

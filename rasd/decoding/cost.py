@@ -30,7 +30,9 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_BUCKETS = (256, 1024, 2048, 4096)
 # Part of the cache key: bump it whenever the verification kernels change cost, so that curves measured
 # with older kernels are measured again instead of steering tree sizes for ever.
-CURVE_VERSION = 3   # 3: verification through `lean.forward`
+CURVE_VERSION = 4   # 3: verification through `lean.forward`; 4: a load probe beside the latencies
+# A cached curve whose probe ran this much slower than the probe now was measured on a busy machine.
+STALE_PROBE_RATIO = 1.25
 
 
 @dataclass
@@ -41,6 +43,7 @@ class CostCurve:
     context_len: int
     sizes: list[int]
     latency_s: list[float]
+    probe_s: float | None = None   # `machine_probe()` when the curve was measured (None: not recorded)
 
     def latency(self, n_tokens: int) -> float:
         """Interpolated latency of a forward over `n_tokens` tree tokens (linear beyond the last size)."""
@@ -63,6 +66,25 @@ class CostCurve:
     def relative(self) -> list[float]:
         """Latency of each size over the latency of one token (what a person wants to see)."""
         return [lat / self.latency_s[0] for lat in self.latency_s]
+
+
+def machine_probe(rounds: int = 15) -> float:
+    """Fastest of a few runs of a fixed matrix product (≈ 1 ms): how fast this machine is right now.
+
+    Why: a curve measured while another process held the cores (a test run, a training job) is slower
+    at every size, and once cached it would steer tree sizes for ever — every tree would look dear next to
+    a plain step whose real latency the sizer soon observes. Timing the same product when the curve is
+    measured and when it is loaded tells a busy measurement from a slow machine.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 576, generator=gen), torch.randn(576, 1536, generator=gen)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def context_bucket(context_len: int) -> int:
@@ -94,6 +116,7 @@ def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ..
     gen = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, context_len), generator=gen).to(device)
     install(model)
+    probe = machine_probe()
     cache = TreeCache.for_model(model)
     model(input_ids=context, use_cache=True, **cache_kwargs(model, cache))
     trees = {size: DraftTree.chain(1, [int(t) for t in torch.randint(0, vocab, (size - 1,), generator=gen)],
@@ -111,10 +134,11 @@ def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ..
             if rep:
                 times[size].append(time.perf_counter() - t0)
             cache.crop(-size)
+    probe = (probe + machine_probe()) / 2   # load before and after the timings
     latencies = [min(times[size]) for size in sizes]
     for i in range(1, len(latencies)):
         latencies[i] = max(latencies[i], latencies[i - 1])
-    return CostCurve(key=key, context_len=context_len, sizes=list(sizes), latency_s=latencies)
+    return CostCurve(key=key, context_len=context_len, sizes=list(sizes), latency_s=latencies, probe_s=probe)
 
 
 def _sync(device: torch.device) -> None:
@@ -131,12 +155,21 @@ def load_or_measure(model: torch.nn.Module, name: str, device: str, dtype: str, 
     path = folder / f"{key}.json"
     if path.exists():
         try:
-            return CostCurve(**json.loads(path.read_text()))
+            cached = CostCurve(**json.loads(path.read_text()))
         except (ValueError, TypeError):
-            pass   # a corrupt file is re-measured, never trusted
+            cached = None   # a corrupt file is re-measured, never trusted
+        if cached is not None and not _measured_busy(cached):
+            return cached
     curve = measure_curve(model, bucket, key=key)
     _atomic_write_json(path, asdict(curve))
     return curve
+
+
+def _measured_busy(curve: CostCurve) -> bool:
+    """Whether the machine was clearly busier when `curve` was measured than it is now (then re-measure)."""
+    if curve.probe_s is None:
+        return False
+    return curve.probe_s > STALE_PROBE_RATIO * machine_probe()
 
 
 def _atomic_write_json(path: Path, data: dict) -> None:
