@@ -5,9 +5,10 @@ is fastest for such skinny products depends on the CPU. On one machine (AVX2, no
 for 2 <= M <= 16 cost about 2x the M = 1 case (the LM head, 49152 x 576: 20 ms vs 9 ms), while the same
 product written as `(W @ x.T).T` took 5 ms. On another (AVX-512) it is the reverse up to M = 8 (the
 576 x 576 product at M = 2: 11 us with `F.linear`, 51 us transposed) and the transposed form wins only from
-M = 16 on some shapes. So the choice is measured, not assumed: the first time a (weight shape, M bucket)
-is seen inside `fast_kernels()`, both forms are timed a few times and the faster one is kept for the
-process (`linear_choices()` shows them; `RASD_LINEAR=stock|transposed` forces one). A transposed product
+M = 16 on some shapes. So the choice is measured, not assumed: when `install` patches a model, both forms
+are timed a few times for each weight shape and M bucket (2, 4, ..., 64) and the faster one is kept for
+the process (a shape first met later is timed then; `linear_choices()` shows them;
+`RASD_LINEAR=stock|transposed` forces one). A transposed product
 comes out column-major; it is copied to a row-major layout, because a query whose last dimension is strided
 sends `scaled_dot_product_attention` down its slow math path.
 
