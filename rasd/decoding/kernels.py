@@ -34,6 +34,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 _state = threading.local()
 _STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
+_CHOICES: dict[tuple[Any, ...], bool] = {}   # (out, in, M bucket, dtype, threads, head) -> transposed?
+_TUNE_ROUNDS = 5
+_MAX_TUNED_ROWS = 64   # trees; a prefill (hundreds of rows) is not skinny: stock, and no timing on the way
 
 
 def fast_enabled() -> bool:
@@ -61,11 +64,6 @@ def _transposed(weight: torch.Tensor, rows: torch.Tensor, head: bool) -> torch.T
     return out if head else out.contiguous()
 
 
-_CHOICES: dict[tuple[Any, ...], bool] = {}   # (out, in, M bucket, dtype, threads, head) -> transposed?
-_TUNE_ROUNDS = 5
-_MAX_TUNED_ROWS = 64   # trees; a prefill (hundreds of rows) is not skinny: stock, and no timing on the way
-
-
 def _rows_bucket(rows: int) -> int:
     """1, 2, then powers of two (3-4 -> 4, 5-8 -> 8, ...): the cost curve's sizes cover every bucket."""
     return rows if rows <= 2 else 1 << (rows - 1).bit_length()
@@ -73,13 +71,13 @@ def _rows_bucket(rows: int) -> int:
 
 def _transposed_faster(weight: torch.Tensor, rows: int, head: bool) -> bool:
     """Whether W @ x.T beats F.linear for this weight and row count (measured once per process)."""
-    forced = os.environ.get("RASD_LINEAR", "auto")
-    if forced in ("stock", "transposed"):
-        return forced == "transposed"
     key = (*weight.shape, _rows_bucket(rows), weight.dtype, torch.get_num_threads(), head)
     choice = _CHOICES.get(key)
-    if choice is None:
-        choice = _CHOICES[key] = _time_forms(weight, key[2], head)
+    if choice is None:   # the environment is read here, once per key, not on every product
+        forced = os.environ.get("RASD_LINEAR", "auto")
+        choice = (forced == "transposed" if forced in ("stock", "transposed")
+                  else _time_forms(weight, key[2], head))
+        _CHOICES[key] = choice
     return choice
 
 

@@ -17,7 +17,6 @@ models, `forward` calls the HF model.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -29,11 +28,6 @@ from rasd.decoding.kernels import fast_enabled
 # Architectures whose decoder layer is exactly: pre-norm attention (q/k/v/o Linear, rotary, GQA) + pre-norm
 # gated SiLU MLP, RMSNorm in float32 — what `_layer` below computes.
 _SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM"}
-
-
-@functools.cache
-def _supported_class(name: str) -> bool:
-    return name in _SUPPORTED
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -48,7 +42,7 @@ def supports(model: torch.nn.Module) -> bool:
 def _check(model: torch.nn.Module) -> bool:
     """Llama/Qwen2 with sdpa attention, SiLU MLP, no sliding window, no tensor-parallel split."""
     config = getattr(model, "config", None)
-    if config is None or not _supported_class(type(model).__name__):
+    if config is None or type(model).__name__ not in _SUPPORTED:
         return False
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
