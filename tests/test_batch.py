@@ -184,6 +184,54 @@ def test_batch_cache_rows_join_compact_and_leave() -> None:
     assert cache.row_lengths == [2] and (cache.layers[0].keys == 3.0).all()
 
 
+def test_batch_cache_a_leaving_row_takes_the_last_rows_slot_and_a_joining_row_sees_zeros() -> None:
+    """Leaving moves one row (the last) into the freed slot; the new order is returned for the streams."""
+    def one_row(length: int, fill: float) -> TreeCache:
+        cache = TreeCache(num_layers=2)
+        for layer in range(2):
+            kv = torch.full((1, 2, length, 3), fill + layer)
+            cache.update(kv, kv.clone(), layer)
+        return cache
+
+    cache = BatchCache(num_layers=2)
+    for length, fill in ((4, 1.0), (6, 10.0), (2, 20.0), (5, 30.0)):
+        cache.add_row(one_row(length, fill))
+    assert cache.remove_rows([1]) == [0, 3, 2]
+    assert cache.row_lengths == [4, 5, 2] and cache.get_seq_length() == 5
+    for layer in range(2):
+        keys = cache.layers[layer].keys                      # [3, 2, 5, 3]
+        assert (keys[1, :, :5] == 30.0 + layer).all(), "the last row moved into slot 1, whole"
+        assert (keys[0, :, :4] == 1.0 + layer).all() and (keys[2, :, :2] == 20.0 + layer).all()
+    assert cache.remove_rows([0, 2]) == [1]
+    assert cache.row_lengths == [5] and (cache.layers[0].keys[0] == 30.0).all()
+    cache.add_row(one_row(3, 40.0))                          # shorter than the shared end (5)
+    values = cache.layers[1].values
+    assert (values[1, :, :3] == 41.0).all() and (values[1, :, 3:5] == 0).all(), "the gap is zeros, not stale"
+    assert cache.remove_rows([0, 1]) == [] and cache.rows == 0 and cache.get_seq_length() == 0
+
+
+def test_rows_leaving_from_the_middle_keep_every_request_its_own_tokens() -> None:
+    """Requests of very different lengths finish in an order that exercises swap-removal on every step."""
+    model = tiny_llama(2)
+    batch = BatchDecoder(model)
+    specs = [(30, 0, 3), (12, 1, 20), (25, 2, 6), (9, 3, 14), (40, 4, 9)]
+    streams = [decoder(model, "pld").stream(repeating(n, s), k) for n, s, k in specs]
+    tokens: dict[int, list[int]] = {}
+    with torch.inference_mode():
+        for i, stream in enumerate(streams):
+            tokens[i] = list(batch.add(stream))
+        for _ in range(100):
+            if not len(batch):
+                break
+            for stream, block in batch.step():
+                tokens[streams.index(stream)] += block
+    assert not len(batch)
+    for i, (n, s, k) in enumerate(specs):
+        prompt = repeating(n, s)
+        assert tokens[i] == streams[i].output.token_ids
+        assert_greedy_equal(model, prompt, tokens[i], hf_greedy(model, prompt, k), label=f"request {i}")
+
+
 def test_a_stream_for_another_model_is_refused() -> None:
     batch = BatchDecoder(tiny_llama(0))
     with pytest.raises(ValueError, match="another"):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-_MIN_CAPACITY = 256
+MIN_CAPACITY = 256
 
 
 class GrowableLayer(DynamicLayer):
@@ -36,7 +36,7 @@ class GrowableLayer(DynamicLayer):
         capacity = self._kbuf.shape[-2]
         if needed <= capacity:
             return
-        new_cap = max(_MIN_CAPACITY, needed, 2 * capacity)
+        new_cap = max(MIN_CAPACITY, needed, 2 * capacity)
         for name in ("_kbuf", "_vbuf"):
             old = getattr(self, name)
             new = old.new_empty((*old.shape[:2], new_cap, old.shape[-1]))

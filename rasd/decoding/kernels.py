@@ -5,12 +5,16 @@ is fastest for such skinny products depends on the CPU. On one machine (AVX2, no
 for 2 <= M <= 16 cost about 2x the M = 1 case (the LM head, 49152 x 576: 20 ms vs 9 ms), while the same
 product written as `(W @ x.T).T` took 5 ms. On another (AVX-512) it is the reverse up to M = 8 (the
 576 x 576 product at M = 2: 11 us with `F.linear`, 51 us transposed) and the transposed form wins only from
-M = 16 on some shapes. So the choice is measured, not assumed: when `install` patches a model, both forms
-are timed a few times for each weight shape and M bucket (2, 4, ..., 64) and the faster one is kept for
-the process (a shape first met later is timed then; `linear_choices()` shows them;
-`RASD_LINEAR=stock|transposed` forces one). A transposed product
-comes out column-major; it is copied to a row-major layout, because a query whose last dimension is strided
-sends `scaled_dot_product_attention` down its slow math path.
+M = 16 on some shapes. A third form, MKL's packed GEMM (`torch.ops.mkl._mkl_linear` on a weight packed once
+by `_mkl_reorder_linear_weight`, what torch.compile uses for CPU linears), skips the per-call packing of W
+that dominates these products at 4 <= M <= 16: on the AVX-512 machine the 576 -> 1536 product at M = 8
+takes 53 us instead of 84, the LM head 4.3 ms instead of 7.8. Its rows do not depend on M (a row's result is
+the same alone or among 63 others). So the choice is measured, not assumed: when `install` patches a model,
+every form is timed a few times for each weight shape and M bucket (2, 4, ..., 64) and the fastest is kept
+for the process (a shape first met later is timed then; `linear_choices()` shows them;
+`RASD_LINEAR=stock|transposed|packed` forces one). A packed weight is refreshed when the weight changes.
+A transposed product comes out column-major; it is copied to a row-major layout, because a query whose last
+dimension is strided sends `scaled_dot_product_attention` down its slow math path.
 
 Tree steps also pass the grouped key/value heads to the attention kernel as they are (`enable_gqa`) instead
 of HF's `repeat_kv` copy of the whole cache. Only inside `fast_kernels()`: HF baselines sharing the module
@@ -34,9 +38,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 _state = threading.local()
 _STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
-_CHOICES: dict[tuple[Any, ...], bool] = {}   # (out, in, M bucket, dtype, threads, head) -> transposed?
+STOCK, TRANSPOSED, PACKED = "stock", "transposed", "packed"
+_FORMS = (STOCK, TRANSPOSED, PACKED)
+_CHOICES: dict[tuple[Any, ...], str] = {}   # (out, in, M bucket, dtype, threads, head) -> form
 _TUNE_ROUNDS = 5
 _MAX_TUNED_ROWS = 64   # trees; a prefill (hundreds of rows) is not skinny: stock, and no timing on the way
+_PACK_ROWS = 16        # the row count MKL is told to pack for (the packed product then serves any M)
 
 
 def fast_enabled() -> bool:
@@ -44,17 +51,26 @@ def fast_enabled() -> bool:
     return getattr(_state, "on", False)
 
 
+def packing_available() -> bool:
+    """Whether this torch has MKL's packed GEMM (x86 builds with MKL)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`F.linear`, or for M >= 2 rows on CPU inside `fast_kernels()`, W @ x.T where that measured faster."""
+    """`F.linear`, or for M >= 2 rows on CPU inside `fast_kernels()`, the form measured fastest for M."""
     if not fast_enabled() or x.device.type != "cpu" or x.dim() < 2:
         return F.linear(x, self.weight, self.bias)
     rows = x.reshape(-1, x.shape[-1])   # [M, in]
     head = getattr(self, "_rasd_head", False)
-    if not 2 <= rows.shape[0] <= _MAX_TUNED_ROWS or not _transposed_faster(self.weight, rows.shape[0], head):
+    form = _form(self.weight, rows.shape[0], head) if 2 <= rows.shape[0] <= _MAX_TUNED_ROWS else STOCK
+    if form == STOCK:
         return F.linear(x, self.weight, self.bias)
-    out = _transposed(self.weight, rows, head)
-    if self.bias is not None:
-        out = out + self.bias
+    if form == PACKED:
+        out = torch.ops.mkl._mkl_linear(rows, _packed_weight(self), self.weight, self.bias, rows.shape[0])
+    else:
+        out = _transposed(self.weight, rows, head)
+        if self.bias is not None:
+            out = out + self.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -64,39 +80,69 @@ def _transposed(weight: torch.Tensor, rows: torch.Tensor, head: bool) -> torch.T
     return out if head else out.contiguous()
 
 
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed copy of W (physical memory ≈ W's; the tensor over-reserves address space only)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_ROWS)
+
+
+def _packed_weight(module: torch.nn.Linear) -> torch.Tensor:
+    """The module's packed weight, re-packed whenever the weight was replaced or changed in place.
+
+    Why the check: a model fine-tuned or loaded into after `install` (training the EESD head, tests that
+    copy weights in) must not keep multiplying by a stale copy.
+    """
+    weight = module.weight
+    stamp = (weight.data_ptr(), weight._version)
+    cached = getattr(module, "_rasd_pack", None)
+    if cached is None or cached[0] != stamp:
+        cached = (stamp, _pack(weight))
+        module._rasd_pack = cached
+    return cached[1]
+
+
 def _rows_bucket(rows: int) -> int:
     """1, 2, then powers of two (3-4 -> 4, 5-8 -> 8, ...): the cost curve's sizes cover every bucket."""
     return rows if rows <= 2 else 1 << (rows - 1).bit_length()
 
 
-def _transposed_faster(weight: torch.Tensor, rows: int, head: bool) -> bool:
-    """Whether W @ x.T beats F.linear for this weight and row count (measured once per process)."""
+def _form(weight: torch.Tensor, rows: int, head: bool) -> str:
+    """The fastest form for this weight shape and row count (measured once per process and key)."""
     key = (*weight.shape, _rows_bucket(rows), weight.dtype, torch.get_num_threads(), head)
     choice = _CHOICES.get(key)
     if choice is None:   # the environment is read here, once per key, not on every product
         forced = os.environ.get("RASD_LINEAR", "auto")
-        choice = (forced == "transposed" if forced in ("stock", "transposed")
-                  else _time_forms(weight, key[2], head))
+        if forced == PACKED and not _can_pack(weight):
+            forced = STOCK
+        choice = forced if forced in _FORMS else _time_forms(weight, key[2], head)
         _CHOICES[key] = choice
     return choice
 
 
+def _can_pack(weight: torch.Tensor) -> bool:
+    return packing_available() and weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+
 @torch.inference_mode()
-def _time_forms(weight: torch.Tensor, rows: int, head: bool) -> bool:
-    """Best of a few interleaved timings of both forms; the transposed one must win by 10% to be used."""
+def _time_forms(weight: torch.Tensor, rows: int, head: bool) -> str:
+    """Best of a few interleaved timings of each form; another form must beat `F.linear` by 10% to be used."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    best = {False: float("inf"), True: float("inf")}
+    forms: dict[str, Any] = {STOCK: lambda: F.linear(x, weight), TRANSPOSED: lambda: _transposed(weight, x, head)}
+    if _can_pack(weight):
+        packed = _pack(weight)
+        forms[PACKED] = lambda: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
+    best = dict.fromkeys(forms, float("inf"))
     for _ in range(_TUNE_ROUNDS):
-        for transposed in (False, True):
+        for name, run in forms.items():
             t0 = time.perf_counter()
-            _transposed(weight, x, head) if transposed else F.linear(x, weight)
-            best[transposed] = min(best[transposed], time.perf_counter() - t0)
-    return best[True] < 0.9 * best[False]
+            run()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    fastest = min(best, key=best.__getitem__)
+    return fastest if best[fastest] < 0.9 * best[STOCK] else STOCK
 
 
 def linear_choices() -> dict[str, str]:
-    """What was measured so far, readable: "out x in @ M" -> "transposed" | "stock"."""
-    return {f"{k[0]}x{k[1]}@{k[2]}{' head' if k[5] else ''}": "transposed" if v else "stock"
+    """What was measured so far, readable: "out x in @ M" -> "stock" | "transposed" | "packed"."""
+    return {f"{k[0]}x{k[1]}@{k[2]}{' head' if k[5] else ''}": v
             for k, v in sorted(_CHOICES.items(), key=lambda kv: kv[0][:3])}
 
 
@@ -134,21 +180,17 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
 
     Why up front: measured lazily, the first tree of each size would carry the timing (≈ 0.1 s for the LM
     head) and the cost-aware sizer, which learns from measured verification times, would take that size
-    for expensive. Once per (shape, bucket, threads) in a process: under a second for SmolLM2-135M.
+    for expensive. Once per (shape, bucket, threads) in a process: about a second for SmolLM2-135M. The
+    weights whose shape packs best for some bucket are packed here too, for the same reason.
     """
-    seen = set()
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not isinstance(module, torch.nn.Linear) or weight is None or weight.device.type != "cpu":
             continue
-        shape = (tuple(weight.shape), module is head)
-        if shape in seen:
-            continue
-        seen.add(shape)
-        rows = 2
-        while rows <= _MAX_TUNED_ROWS:
-            _transposed_faster(weight, rows, module is head)
-            rows *= 2
+        is_head = module is head
+        forms = {_form(weight, 1 << b, is_head) for b in range(1, _MAX_TUNED_ROWS.bit_length())}
+        if PACKED in forms:
+            _packed_weight(module)
 
 
 @contextmanager

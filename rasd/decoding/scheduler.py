@@ -1,16 +1,16 @@
-"""Continuous batching in a background thread: requests join and leave a `BatchDecoder` between steps.
+"""Continuous batching on the compute thread: requests join and leave a `BatchDecoder` between steps.
 
-Callers (HTTP handlers, batch jobs) submit a `GenerationStream` and a sink; the loop thread prefills new
-requests, steps the whole batch, and pushes every committed block to its request's sink as soon as the
-step accepts it. Admission is bounded: beyond `max_batch` running plus `max_waiting` queued requests,
-`submit` raises `Overloaded` at once (a service turns that into HTTP 429) instead of queueing without end.
+Callers (HTTP handlers, batch jobs) submit a `GenerationStream` and a sink; the process's `ComputeThread`
+(see `compute`: all torch work of a service stays on one thread) prefills new requests, steps the whole
+batch, and pushes every committed block to its request's sink as soon as the step accepts it. Admission
+is bounded: beyond `max_batch` running plus `max_waiting` queued requests, `submit` raises `Overloaded`
+at once (a service turns that into HTTP 429) instead of queueing without end.
 
 No Ray here: the Serve deployment and the actors own a `Scheduler` and only move requests in and out.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rasd.decoding.batch import BatchDecoder
+from rasd.decoding.compute import ComputeThread
 from rasd.decoding.engine import GenerationOutput, GenerationStream
 
 # A sink receives ("tokens", list[int]), then exactly one of ("done", GenerationOutput) or ("error", str).
@@ -41,22 +42,27 @@ class Ticket:
 
 
 class Scheduler:
-    """Runs the batch step loop for all active requests in one daemon thread."""
+    """Runs the batch step loop for all active requests as the worker of a `ComputeThread`."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int = 8, max_waiting: int = 16, fast: bool = True,
-                 threads: int | None = None):
-        self.batch = BatchDecoder(model, fast=fast)
+                 threads: int | None = None, compute: ComputeThread | None = None):
+        """`compute`: the process's compute thread (a service's); without one the scheduler starts its own."""
+        self.batch = BatchDecoder(model, fast=fast, slots=max_batch)
         self.max_batch, self.max_waiting = max_batch, max_waiting
-        self.threads = threads
+        self._owns_compute = compute is None
+        self.compute = compute or ComputeThread(threads, name="rasd-scheduler")
+        self._cond = self.compute.cond              # one lock for the thread's jobs and this queue
         self._waiting: deque[Ticket] = deque()
         self._active: dict[int, Ticket] = {}        # id(stream) -> ticket
-        self._cond = threading.Condition()
         self._stopped = False
         self._inflight = 0                          # submitted and not yet finished, failed or dropped
-        self.loop_threads = 0                       # torch threads the loop runs with (for /healthz)
         self.steps = 0
-        self._thread = threading.Thread(target=self._loop, name="rasd-scheduler", daemon=True)
-        self._thread.start()
+        self.compute.attach(self)
+
+    @property
+    def loop_threads(self) -> int:
+        """Torch threads the loop runs with (for /healthz)."""
+        return self.compute.torch_threads
 
     # ------------------------------------------------------------------ caller side (any thread)
     def submit(self, stream: GenerationStream, sink: Sink) -> Ticket:
@@ -82,33 +88,40 @@ class Scheduler:
         with self._cond:
             return len(self._active), self._inflight - len(self._active)
 
+    def is_alive(self) -> bool:
+        return self.compute.is_alive()
+
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the loop; requests still running or waiting get an error event."""
+        """Stop taking requests; those still running or waiting get an error event."""
         with self._cond:
             self._stopped = True
-            self._cond.notify()
-        self._thread.join(timeout)
-
-    # ------------------------------------------------------------------ loop thread
-    def _loop(self) -> None:
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        self.loop_threads = torch.get_num_threads()
-        while True:
-            with self._cond:
-                while not self._stopped and not self._waiting and not self._active:
-                    self._cond.wait()
-                if self._stopped:
-                    break
-                joining = self._admit()
+        if self._owns_compute:
+            self.compute.close(timeout)    # its end calls `stopped`
+        else:
             try:
-                for ticket in joining:
-                    self._join(ticket)
-                self._drop_cancelled()
-                if self._active:
-                    self._step()
-            except Exception as exc:   # a bug or OOM in a step fails the requests in it, not the service
-                self._fail_all(f"{type(exc).__name__}: {exc}")
+                self.compute.run(self.stopped)
+            except RuntimeError:            # the thread had already stopped (and told us)
+                pass
+
+    # ------------------------------------------------------------------ the compute thread (Worker)
+    def has_work(self) -> bool:
+        """Called with the lock held."""
+        return not self._stopped and bool(self._waiting or self._active)
+
+    def work_once(self) -> None:
+        """Admit and prefill newcomers, drop cancelled requests, step the batch once."""
+        with self._cond:
+            joining = self._admit()
+        try:
+            for ticket in joining:
+                self._join(ticket)
+            self._drop_cancelled()
+            if self._active:
+                self._step()
+        except Exception as exc:   # a bug or OOM in a step fails the requests in it, not the service
+            self._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def stopped(self) -> None:
         self._fail_all("the scheduler stopped")
 
     def _admit(self) -> list[Ticket]:

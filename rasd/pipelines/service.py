@@ -1,8 +1,10 @@
 """The service's request logic, independent of Ray: validate, build a per-request decoder, stream events.
 
 `Service` owns the target model, the index and one continuous-batching `Scheduler`: every running request
-shares the target's forwards. The Serve deployment (`serve.py`) only maps HTTP onto these methods, so the
-logic can be tested and reused without an HTTP server.
+shares the target's forwards. All of its torch work (loading, warm-up, query and document embedding, each
+request's decoder, the decoding steps) runs on one `ComputeThread` (see `rasd.decoding.compute` for why:
+two threads running torch made every decoding step up to 1.5x slower). The Serve deployment (`serve.py`)
+only maps HTTP onto these methods, so the logic can be tested and reused without an HTTP server.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rasd.decoding.compute import ComputeThread
 from rasd.decoding.control import CostAwareSizer
 from rasd.decoding.engine import GenerationOutput, build_decoder, vocab_size
 from rasd.decoding.proposers import METHODS, RecyclingMatrix
@@ -95,10 +98,9 @@ class Service:
         from rasd.decoding.models import load_model
 
         self.config = config
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        self.target = load_model(config.model, device=config.device, dtype=config.dtype)
-        self.index = self._open_index(config.index) if config.index else None
+        self.compute = ComputeThread(config.threads)
+        self.target = self.compute.run(load_model, config.model, device=config.device, dtype=config.dtype)
+        self.index = self.compute.run(self._open_index, config.index) if config.index else None
         self._ingest_lock = threading.Lock()
         self._warm: dict[str, dict[str, Any]] = {}   # method -> what the last finished request's sizer learned
         self._finished = 0
@@ -109,9 +111,9 @@ class Service:
 
             self.verifier = RemoteVerifier(config)
         else:
-            self._start_decoding()
+            self.compute.run(self._start_decoding)
         self.metrics = ServiceMetrics(self.load)
-        self._warm_up(search=not decode_only, forward=self.verifier is None)
+        self.compute.run(self._warm_up, search=not decode_only, forward=self.verifier is None)
         self.started = time.time()
 
     def _start_decoding(self) -> None:
@@ -122,7 +124,7 @@ class Service:
         self.draft = load_draft(config.draft_model, self.target)
         self.drafts = self._start_draft_workers() if config.draft_workers > 0 else None
         self.scheduler = Scheduler(self.target.model, max_batch=config.max_batch, max_waiting=config.max_waiting,
-                                   threads=config.threads)
+                                   compute=self.compute)
         # Token Recycling's matrix is shared by every request (hot start) and outlives the process on disk.
         self.recycling_path = matrix_path(self.target.name)
         self.recycling = RecyclingMatrix.load_or_new(self.recycling_path, vocab_size(self.target.model))
@@ -146,12 +148,12 @@ class Service:
 
     def healthy(self) -> bool:
         """False when the local scheduler thread has died (a verifier actor is restarted by Ray itself)."""
-        return self.verifier is not None or self.scheduler._thread.is_alive()
+        return self.compute.is_alive()
 
     def reopen_index(self) -> None:
         """Serve the latest committed index state (after another process added documents)."""
         if self.config.index:
-            self.index = self._open_index(self.config.index)
+            self.index = self.compute.run(self._open_index, self.config.index)
 
     def _open_index(self, path: str) -> Any:
         from rasd.index.store import Index, check_tokenizer
@@ -240,7 +242,7 @@ class Service:
     def _search(self, question: str, top_k: int) -> list[Any]:
         """Vector search; a retrieval shard that is down (and not back in time) is a 503, not a crash."""
         try:
-            return self.index.search(question, k=top_k)
+            return self.compute.run(self.index.search, question, k=top_k)
         except Exception as exc:       # Ray's actor errors when the index is sharded
             if type(exc).__module__.startswith("ray"):
                 raise ApiError(503, f"the retrieval index is unavailable: {type(exc).__name__}",
@@ -291,7 +293,7 @@ class Service:
         def sink(kind: str, payload: Any) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
 
-        stream = self._stream_for(p)
+        stream = await self.compute.acall(self._stream_for, p)
         try:
             ticket = self.scheduler.submit(stream, sink)
         except Overloaded as exc:
@@ -357,6 +359,10 @@ class Service:
     # ------------------------------------------------------------------ documents
     def add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
         """Append documents as a new index segment (durable when this returns), then serve from it."""
+        return self.compute.run(self._add_documents, docs)
+
+    def _add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
+        """On the compute thread: embedding runs torch (and decoding pauses meanwhile)."""
         from rasd.index.documents import Document
         from rasd.index.writer import add_documents
 
@@ -380,8 +386,10 @@ class Service:
         """Replica shutdown: stop the scheduler, keep what was recycled for the next start."""
         if self.verifier is not None:
             self.verifier.close()
+            self.compute.close()
             return
         self.scheduler.close()
+        self.compute.close()
         if self.drafts is not None:
             self.drafts.close()
         try:
