@@ -245,3 +245,30 @@ def test_fast_linear_returns_row_major_outputs() -> None:
         out = layer(x)
     assert out.is_contiguous()
     torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_packed_products_follow_weight_changes_and_leave_the_model_picklable(monkeypatch) -> None:
+    """MKL's packed form: a stale packed copy after a weight update, or an unpicklable model, are bugs."""
+    import copy
+
+    from ray import cloudpickle   # how Ray ships objects to actors
+
+    from rasd.decoding import kernels
+
+    if not kernels.packing_available():
+        pytest.skip("this torch has no MKL packed GEMM")
+    monkeypatch.setenv("RASD_LINEAR", "packed")          # read once per shape; this shape is this test's own
+    layer = install(torch.nn.Sequential(torch.nn.Linear(24, 40)))[0]
+    assert kernels.linear_choices()["40x24@8"] == "packed"
+    x = torch.randn(1, 5, 24)
+    with torch.inference_mode(), fast_kernels():
+        before = layer(x)
+    torch.testing.assert_close(before, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)                           # in place: same storage, new version
+    with torch.inference_mode(), fast_kernels():
+        after = layer(x)
+    torch.testing.assert_close(after, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert not torch.allclose(after, before)
+    restored = cloudpickle.loads(cloudpickle.dumps(layer))
+    torch.testing.assert_close(copy.deepcopy(layer).weight, restored.weight)

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 import types
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -44,6 +45,10 @@ _CHOICES: dict[tuple[Any, ...], str] = {}   # (out, in, M bucket, dtype, threads
 _TUNE_ROUNDS = 5
 _MAX_TUNED_ROWS = 64   # trees; a prefill (hundreds of rows) is not skinny: stock, and no timing on the way
 _PACK_ROWS = 16        # the row count MKL is told to pack for (the packed product then serves any M)
+# module -> ((weight pointer, version), packed weight). Kept off the module: a packed tensor is opaque, and a
+# model that carried one could no longer be pickled (Ray) or deep-copied.
+_PACKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], torch.Tensor]] = \
+    weakref.WeakKeyDictionary()
 
 
 def fast_enabled() -> bool:
@@ -93,10 +98,10 @@ def _packed_weight(module: torch.nn.Linear) -> torch.Tensor:
     """
     weight = module.weight
     stamp = (weight.data_ptr(), weight._version)
-    cached = getattr(module, "_rasd_pack", None)
+    cached = _PACKS.get(module)
     if cached is None or cached[0] != stamp:
         cached = (stamp, _pack(weight))
-        module._rasd_pack = cached
+        _PACKS[module] = cached
     return cached[1]
 
 

@@ -131,3 +131,54 @@ def _causal_mask(past: int, length: int, dtype: torch.dtype, device: torch.devic
     allowed = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(diagonal=past)
     mask = torch.zeros(length, past + length, dtype=dtype, device=device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  mask: torch.Tensor, chunk_cache: TreeCache, chunk_ids: torch.Tensor,
+                  chunk_last: bool) -> torch.Tensor:
+    """A batched tree step [B, W] and a chunk of one prompt's prefill [1, C] through the layers together.
+
+    Why: at B·W ≈ 32 tokens a step's matrix products run far below the CPU's peak (they stream every weight
+    for few rows), while a prefill alone is at peak. Stacked, every Linear multiplies B·W + C rows at once,
+    so the prefill rides along on the weights the step reads anyway (vLLM's chunked prefill, on a CPU).
+    Attention stays separate: the rows attend to the batch cache with `mask`, the chunk causally to its own
+    cache. Returns logits [B·W (+ 1), vocab]: the rows' nodes, then the chunk's last position if `chunk_last`.
+    """
+    inner = model.model
+    batch, width = input_ids.shape
+    rows = batch * width
+    past = chunk_cache.get_seq_length()
+    chunk_pos = torch.arange(past, past + chunk_ids.shape[1], device=chunk_ids.device)[None]
+    embed = inner.embed_tokens.weight
+    hidden_d, hidden_c = F.embedding(input_ids, embed), F.embedding(chunk_ids, embed)
+    rope_d = [t[:, None] for t in inner.rotary_emb.forward(hidden_d, position_ids)]       # [B, 1, W, D]
+    rope_c = [t[:, None] for t in inner.rotary_emb.forward(hidden_c, chunk_pos)]          # [1, 1, C, D]
+    mask_c = _causal_mask(past, chunk_ids.shape[1], hidden_c.dtype, hidden_c.device)
+    hidden = torch.cat([hidden_d.reshape(rows, -1), hidden_c[0]])                         # [B·W + C, H]
+    for layer, kv_d, kv_c in zip(inner.layers, cache.layers, chunk_cache.layers, strict=False):
+        hidden = _layer_mixed(layer, (kv_d, kv_c), hidden, (batch, width), (rope_d, rope_c), (mask, mask_c))
+    out = torch.cat([hidden[:rows], hidden[-1:]]) if chunk_last else hidden[:rows]
+    return model.lm_head(model.model.norm(out))
+
+
+def _layer_mixed(layer: torch.nn.Module, kvs: tuple[Any, Any], hidden: torch.Tensor, shape: tuple[int, int],
+                 ropes: tuple[list[torch.Tensor], list[torch.Tensor]],
+                 masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`_layer` on stacked rows [B·W + C, H]: shared products, attention per part."""
+    attn, mlp = layer.self_attn, layer.mlp
+    batch, width = shape
+    rows = batch * width
+    x = _rms(hidden, layer.input_layernorm)
+    q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
+    outs = []
+    for part, (kv, (cos, sin), mask) in enumerate(zip(kvs, ropes, masks, strict=True)):
+        sl = slice(0, rows) if part == 0 else slice(rows, None)
+        lead = (batch, width) if part == 0 else (1, hidden.shape[0] - rows)
+        qp, kp, vp = (t[sl].view(*lead, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
+        kp, vp = kv.update(_rotate(kp, cos, sin), vp)
+        o = F.scaled_dot_product_attention(_rotate(qp, cos, sin), kp, vp, attn_mask=mask, scale=attn.scaling,
+                                           enable_gqa=True)
+        outs.append(o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[-1]))
+    hidden = hidden + attn.o_proj.forward(torch.cat(outs))
+    x = _rms(hidden, layer.post_attention_layernorm)
+    return hidden + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
