@@ -56,7 +56,7 @@ def drain(batch: BatchDecoder, blocks: dict[int, list[int]], streams: list[Gener
 def add(batch: BatchDecoder, stream: GenerationStream, blocks: dict[int, list[int]],
         streams: list[GenerationStream]) -> None:
     streams.append(stream)
-    blocks[id(stream)] = list(batch.add(stream))
+    blocks[id(stream)] = batch.add(stream) or []   # None: prefilled in chunks, first block from a step
 
 
 REQUESTS = [("pld", 40, 0, 29), ("ar", 7, 1, 13), ("draft", 23, 2, 37), ("pld", 1, 3, 20)]
@@ -219,7 +219,7 @@ def test_rows_leaving_from_the_middle_keep_every_request_its_own_tokens() -> Non
     tokens: dict[int, list[int]] = {}
     with torch.inference_mode():
         for i, stream in enumerate(streams):
-            tokens[i] = list(batch.add(stream))
+            tokens[i] = batch.add(stream) or []
         for _ in range(100):
             if not len(batch):
                 break
@@ -318,3 +318,31 @@ def test_a_warm_started_sizer_continues_from_what_the_last_request_learned() -> 
     second = SpeculativeDecoder(model, make_proposer("pld"), sizer=fresh).generate(prompt, 30)
     assert_greedy_equal(model, prompt, second.token_ids, hf_greedy(model, prompt, 30))
     warm_start(fresh, {})   # nothing learned yet: no change, no error
+
+
+def test_a_request_joining_a_running_batch_is_prefilled_in_chunks_alongside_its_steps() -> None:
+    """Chunks of 8 prompt tokens ride on the batch's steps; every request still gets its own greedy tokens,
+    and a seeded sampled request joining that way gets the same tokens as alone."""
+    model = tiny_llama(0)
+    batch = BatchDecoder(model, chunk_tokens=8)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=5)
+    alone = decoder(model, "pld").generate(repeating(27, 21), 20, sampling=sampled).token_ids
+    blocks: dict[int, list[int]] = {}
+    streams: list[GenerationStream] = []
+    add(batch, decoder(model, "pld").stream(repeating(40, 20), 40), blocks, streams)   # alone: prefilled at once
+    assert blocks[id(streams[0])] and not batch.prefilling
+    add(batch, decoder(model, "pld").stream(repeating(35, 22), 25), blocks, streams)
+    add(batch, decoder(model, "pld").stream(repeating(27, 21), 20, sampling=sampled), blocks, streams)
+    assert blocks[id(streams[1])] == [] and len(batch.prefilling) == 2 and len(batch) == 3
+    steps_to_join = 0
+    while batch.prefilling and steps_to_join < 50:
+        for stream, block in batch.step():
+            blocks[id(stream)] += block
+        steps_to_join += 1
+    assert steps_to_join == 5 + 4, "35 prompt tokens in chunks of 8, then 27: one chunk per step"
+    drain(batch, blocks, streams)
+    for stream, max_new in zip(streams[:2], (40, 25), strict=True):
+        ref = hf_greedy(model, stream.prompt_ids, max_new)
+        assert_greedy_equal(model, stream.prompt_ids, stream.output.token_ids, ref)
+        assert blocks[id(stream)] == stream.output.token_ids
+    assert streams[2].output.token_ids == alone == blocks[id(streams[2])]

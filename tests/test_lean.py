@@ -126,3 +126,33 @@ def test_engine_on_lean_path_equals_hf_generate(one_thread) -> None:
         for seed in range(3):
             prompt = random_prompt(24, seed) * 2
             assert decoder.generate(prompt, max_new_tokens=24).token_ids == hf_greedy(model, prompt, 24)
+
+
+def test_a_step_with_a_prompt_chunk_stacked_on_it_gives_both_their_own_results(one_thread) -> None:
+    """`forward_mixed`: the rows' tree logits as a batched step alone, the chunk's as a plain prefill."""
+    from rasd.decoding.batch import BatchCache, batch_inputs
+
+    model = install(tiny_llama(0))
+    rows = [random_prompt(n, seed) for n, seed in ((20, 1), (13, 2))]
+    prompt = random_prompt(30, 3)
+    trees = [DraftTree.chain(5, [6, 7], "x"), DraftTree.chain(9, [10, 11], "x")]
+
+    def batch_cache() -> BatchCache:
+        cache = BatchCache.for_model(model, slots=2)
+        for row in rows:
+            cache.add_row(_prefilled(model, row))
+        return cache
+
+    with torch.inference_mode(), fast_kernels():
+        alone, mixed = batch_cache(), batch_cache()
+        ids, pos, mask = batch_inputs(trees, alone.row_lengths, alone.get_seq_length(), torch.float32, "cpu")
+        ref_rows = lean.forward(model, alone, ids, pos, mask)                         # [2, 3, vocab]
+        ref_chunk = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        chunk_cache = TreeCache.for_model(model)
+        first = lean.forward_mixed(model, mixed, ids, pos, mask, chunk_cache, torch.tensor([prompt[:18]]), False)
+        mixed._sync_length()
+        second = lean.forward_mixed(model, mixed, ids, pos, mask, chunk_cache, torch.tensor([prompt[18:]]), True)
+    assert first.shape == (6, ref_rows.shape[-1]) and second.shape == (7, ref_rows.shape[-1])
+    torch.testing.assert_close(second[:6].view(2, 3, -1), ref_rows, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second[6], ref_chunk, rtol=1e-5, atol=1e-5)
+    assert chunk_cache.get_seq_length() == len(prompt)

@@ -251,7 +251,7 @@ def test_packed_products_follow_weight_changes_and_leave_the_model_picklable(mon
     """MKL's packed form: a stale packed copy after a weight update, or an unpicklable model, are bugs."""
     import copy
 
-    from ray import cloudpickle   # how Ray ships objects to actors
+    from ray import cloudpickle  # how Ray ships objects to actors
 
     from rasd.decoding import kernels
 

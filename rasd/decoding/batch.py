@@ -18,7 +18,9 @@ replaces the one `verify` call of the single-request loop, so both paths run the
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -195,11 +197,34 @@ def batch_inputs(trees: Sequence[DraftTree], row_lengths: Sequence[int], past_le
     return input_ids.to(device), position_ids.to(device), mask[:, None].to(device)
 
 
-class BatchDecoder:
-    """Steps many `GenerationStream`s together: per-request proposing and committing, one shared forward."""
+@dataclass
+class PrefillJob:
+    """A request whose prompt is prefilled chunk by chunk alongside the batch's steps."""
 
-    def __init__(self, model: torch.nn.Module, fast: bool = True, max_batch_tokens: int = 128, slots: int = 8):
-        """`slots`: requests the cache makes room for up front (the scheduler's `max_batch`)."""
+    stream: GenerationStream
+    cache: TreeCache
+    done: int = 0            # prompt tokens already in `cache`
+
+    def next_chunk(self, size: int) -> tuple[list[int], bool]:
+        """The next prompt tokens to prefill, and whether they are the last."""
+        prompt = self.stream.prompt_ids
+        chunk = prompt[self.done: self.done + size]
+        return chunk, self.done + len(chunk) >= len(prompt)
+
+
+class BatchDecoder:
+    """Steps many `GenerationStream`s together: per-request proposing and committing, one shared forward.
+
+    A request that joins while others decode is prefilled in chunks of `chunk_tokens`, each stacked onto a
+    step's forward (`lean.forward_mixed`) instead of stopping every running request for a whole prefill
+    (≈ 1 s for 880 prompt tokens here): the chunk shares the step's weight reads, and the running requests
+    keep streaming. Its first token comes out of the step that runs its last chunk.
+    """
+
+    def __init__(self, model: torch.nn.Module, fast: bool = True, max_batch_tokens: int = 128, slots: int = 8,
+                 chunk_tokens: int = 128):
+        """`slots`: requests the cache makes room for up front (the scheduler's `max_batch`); `chunk_tokens`:
+        prompt tokens prefilled per step while others decode (0: a joining request prefills at once)."""
         self.model = model
         self.fast = fast
         # Rows are padded to the largest tree, so one big tree makes every row pay for it: with several
@@ -209,19 +234,35 @@ class BatchDecoder:
         self.sizer = BatchSizer(max_tokens=max_batch_tokens)
         self.cache = BatchCache.for_model(model, slots)
         self.streams: list[GenerationStream] = []
+        self.prefilling: deque[PrefillJob] = deque()
+        self.chunk_tokens = chunk_tokens
         self.device = next(model.parameters()).device
 
     def __len__(self) -> int:
-        return len(self.streams)
+        """Requests in the batch: decoding, or still being prefilled."""
+        return len(self.streams) + len(self.prefilling)
 
     @torch.inference_mode()
-    def add(self, stream: GenerationStream) -> list[int]:
-        """Prefill a new request on its own, then join it to the batch; returns its first block."""
+    def add(self, stream: GenerationStream) -> list[int] | None:
+        """Join a new request; returns its first block, or None when a later step will (chunked prefill).
+
+        Alone (or without chunking, or where the lean forward does not apply) the prompt is prefilled at
+        once; while other requests decode it is queued and prefilled a chunk per step.
+        """
         if stream.decoder.model is not self.model:
             raise ValueError("a batch shares one target model: the stream was built for another")
         single = TreeCache.for_model(self.model)
+        if self.streams and self.chunk_tokens > 0 and self.fast and self.device.type == "cpu" \
+                and lean.supports(self.model):
+            stream.start()
+            self.prefilling.append(PrefillJob(stream, single))
+            return None
         with fast_kernels(self.fast):
             first = stream.begin(single)
+        return self._joined(stream, single, first)
+
+    def _joined(self, stream: GenerationStream, single: TreeCache, first: list[int]) -> list[int]:
+        """A prefilled request enters the batch (unless its first token already ended it)."""
         if stream.reason is not None:
             stream.finish()
             return first
@@ -233,14 +274,29 @@ class BatchDecoder:
         """Drop a request between steps (cancelled by its caller)."""
         if stream in self.streams:
             self._drop([self.streams.index(stream)])
+        self.prefilling = deque(job for job in self.prefilling if job.stream is not stream)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[GenerationStream, list[int]]]:
-        """One batched round; returns each stream's committed block. Finished streams leave the batch."""
-        if not self.streams:
-            return []
+        """One batched round; returns each stream's committed block. Finished streams leave the batch.
+
+        A request whose last prompt chunk ran in this round is among them with its first block.
+        """
         with fast_kernels(self.fast):
+            if not self.streams:
+                return self._prefill_rest()
             return self._step()
+
+    def _prefill_rest(self) -> list[tuple[GenerationStream, list[int]]]:
+        """Nothing decodes: finish the next queued prefill in one forward instead of chunk by chunk."""
+        if not self.prefilling:
+            return []
+        job = self.prefilling.popleft()
+        rest = job.stream.prompt_ids[job.done:]
+        ids = torch.tensor([rest], dtype=torch.long, device=self.device)
+        pos = torch.arange(job.done, job.done + len(rest), device=self.device)[None]
+        logits = lean.forward(self.model, job.cache, ids, pos, last_only=True)
+        return [(job.stream, self._joined(job.stream, job.cache, job.stream.first_token(logits[0, -1])))]
 
     def _step(self) -> list[tuple[GenerationStream, list[int]]]:
         t0 = time.perf_counter()
@@ -258,8 +314,9 @@ class BatchDecoder:
             if batched:
                 trees = self._size(trees, curve, context_sum)
             forward_s = [0.0]
-            results += self._verify_and_commit(trees, draft_s, forward_s)
-            if curve is not None:
+            job = self.prefilling[0] if self.prefilling else None
+            results += self._verify_and_commit(trees, draft_s, forward_s, job)
+            if curve is not None and job is None:   # a step carrying a prompt chunk would mislead the cost model
                 overhead = time.perf_counter() - t0 - forward_s[0]
                 self.sizer.observe(curve, len(trees), max(len(t) for t in trees), context_sum, forward_s[0],
                                    overhead)
@@ -284,15 +341,20 @@ class BatchDecoder:
         # trees holding sampled (q) nodes are left whole: cutting them by score would bias sampling
         return [tree if tree.q else tree.top_nodes(share - 1) for tree in trees]
 
-    def _verify_and_commit(self, trees: list[DraftTree], draft_s: list[float], forward_s: list[float]
-                           ) -> list[tuple[GenerationStream, list[int]]]:
-        """One forward over every row's tree, then each row's verdict and commit; `forward_s[0]` gets its time."""
+    def _verify_and_commit(self, trees: list[DraftTree], draft_s: list[float], forward_s: list[float],
+                           job: PrefillJob | None = None) -> list[tuple[GenerationStream, list[int]]]:
+        """One forward over every row's tree (and `job`'s next prompt chunk), then each row's verdict and
+        commit; `forward_s[0]` gets the forward's time."""
         cache = self.cache
         past_len = cache.get_seq_length()
         param = next(self.model.parameters())
         t0 = time.perf_counter()
         ids, pos, mask = batch_inputs(trees, cache.row_lengths, past_len, param.dtype, param.device)
-        logits = lean.forward(self.model, cache, ids, pos, mask).float()   # [B, T, vocab]
+        if job is None:
+            logits = lean.forward(self.model, cache, ids, pos, mask).float()   # [B, T, vocab]
+            first: list[int] | None = None
+        else:
+            logits, first = self._forward_with_chunk(job, ids, pos, mask)
         forward_s[0] = time.perf_counter() - t0
         verdicts: list[Verdict] = []
         for b, (stream, tree) in enumerate(zip(self.streams, trees, strict=True)):
@@ -303,9 +365,25 @@ class BatchDecoder:
                 verdicts.append(accept_sampling(tree, row, stream.sampling, stream.gen))
         cache.keep_rows(past_len, [[0, *v.accepted] for v in verdicts])
         verify_s = (time.perf_counter() - t0) / len(trees)   # each request's share of the shared forward
-        own = len(trees) == 1
-        return [(stream, stream.commit(tree, verdict, logits[b, : len(tree)], draft_s[b], verify_s, own))
-                for b, (stream, tree, verdict) in enumerate(zip(self.streams, trees, verdicts, strict=True))]
+        own = len(trees) == 1 and job is None
+        results = [(stream, stream.commit(tree, verdict, logits[b, : len(tree)], draft_s[b], verify_s, own))
+                   for b, (stream, tree, verdict) in enumerate(zip(self.streams, trees, verdicts, strict=True))]
+        if job is not None and first is not None:   # after the rows' compaction: the new row joins at the end
+            self.prefilling.popleft()
+            results.append((job.stream, self._joined(job.stream, job.cache, first)))
+        return results
+
+    def _forward_with_chunk(self, job: PrefillJob, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor
+                            ) -> tuple[torch.Tensor, list[int] | None]:
+        """Rows' logits [B, T, vocab] from a forward that also prefilled `job`'s next chunk; the job's first
+        block when that chunk was its last."""
+        chunk, last = job.next_chunk(self.chunk_tokens)
+        chunk_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
+        out = lean.forward_mixed(self.model, self.cache, ids, pos, mask, job.cache, chunk_ids, last).float()
+        job.done += len(chunk)
+        rows = ids.shape[0] * ids.shape[1]
+        first = job.stream.first_token(out[rows]) if last else None
+        return out[:rows].view(*ids.shape, -1), first
 
     def _drop(self, rows: list[int]) -> list[int]:
         """Remove rows from the batch; returns the old index of each remaining row, in its new order."""

@@ -177,10 +177,20 @@ class GenerationStream:
 
     def begin(self, cache: TreeCache) -> list[int]:
         """Prefill into `cache` (one row) and return the first new token as a block."""
+        self.start()
         dec = self.decoder
+        ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=dec.device)
+        out = dec.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(dec.model, cache))
+        return self.first_token(out.logits[0, -1])
+
+    def start(self) -> None:
+        """The request starts (its clock, its proposer); its prompt is prefilled next, here or by a batch."""
         self._t_start = time.perf_counter()
-        dec.proposer.start(self.prompt_ids, self.sampling)
-        first = self._prefill(cache)
+        self.decoder.proposer.start(self.prompt_ids, self.sampling)
+
+    def first_token(self, logits: torch.Tensor) -> list[int]:
+        """The first new token from the prompt's last-position logits [vocab], as a block."""
+        first = next_token(logits.float(), self.sampling, self.gen)
         self.context, self.generated = self.prompt_ids + [first], [first]
         self.last_sources = ["prefill"]
         self.token_sources += self.last_sources
@@ -243,13 +253,6 @@ class GenerationStream:
                                        finish_reason=stats.finish_reason, stats=stats,
                                        token_sources=list(self.token_sources), plain_step_s=self.plain_step_s)
         return self.output
-
-    def _prefill(self, cache: TreeCache) -> int:
-        """Run the prompt through the target; the last position's logits give the first new token."""
-        dec = self.decoder
-        ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=dec.device)
-        out = dec.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(dec.model, cache))
-        return next_token(out.logits[0, -1].float(), self.sampling, self.gen)
 
     def _text(self, generated: list[int]) -> str | None:
         tok = self.decoder.tokenizer

@@ -141,6 +141,10 @@ class Scheduler:
             self._release()
             ticket.sink("error", f"{type(exc).__name__}: {exc}")
             return
+        if first is None:                               # prefilled chunk by chunk; a step gives its first token
+            with self._cond:
+                self._active[id(ticket.stream)] = ticket
+            return
         ticket.sink("tokens", first)
         if ticket.stream.output is not None:           # finished at its first token
             self._release()
