@@ -215,14 +215,16 @@ class PrefillJob:
 class BatchDecoder:
     """Steps many `GenerationStream`s together: per-request proposing and committing, one shared forward.
 
-    A request that joins while others decode is prefilled in chunks of `chunk_tokens`, each stacked onto a
-    step's forward (`lean.forward_mixed`) instead of stopping every running request for a whole prefill
-    (≈ 1 s for 880 prompt tokens here): the chunk shares the step's weight reads, and the running requests
-    keep streaming. Its first token comes out of the step that runs its last chunk.
+    With `chunk_tokens` > 0, a request that joins while others decode is prefilled in chunks, each stacked
+    onto a step's forward (`lean.forward_mixed`) instead of stopping every running request for a whole
+    prefill (≈ 1 s for 880 prompt tokens here): the running requests keep streaming and the chunk shares the
+    step's weight reads. Its first token comes out of the step that runs its last chunk. Off by default: in
+    the 8-concurrent load test it did not raise throughput (the joining requests reach the batch later,
+    so steps carry fewer rows) and it lengthens the joining request's time to first token.
     """
 
     def __init__(self, model: torch.nn.Module, fast: bool = True, max_batch_tokens: int = 128, slots: int = 8,
-                 chunk_tokens: int = 128):
+                 chunk_tokens: int = 0):
         """`slots`: requests the cache makes room for up front (the scheduler's `max_batch`); `chunk_tokens`:
         prompt tokens prefilled per step while others decode (0: a joining request prefills at once)."""
         self.model = model

@@ -45,9 +45,10 @@ class Scheduler:
     """Runs the batch step loop for all active requests as the worker of a `ComputeThread`."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int = 8, max_waiting: int = 16, fast: bool = True,
-                 threads: int | None = None, compute: ComputeThread | None = None):
-        """`compute`: the process's compute thread (a service's); without one the scheduler starts its own."""
-        self.batch = BatchDecoder(model, fast=fast, slots=max_batch)
+                 threads: int | None = None, compute: ComputeThread | None = None, prefill_chunk: int = 0):
+        """`compute`: the process's compute thread (a service's); without one the scheduler starts its own.
+        `prefill_chunk`: see `BatchDecoder` (0, the default: a joining request is prefilled at once)."""
+        self.batch = BatchDecoder(model, fast=fast, slots=max_batch, chunk_tokens=prefill_chunk)
         self.max_batch, self.max_waiting = max_batch, max_waiting
         self._owns_compute = compute is None
         self.compute = compute or ComputeThread(threads, name="rasd-scheduler")

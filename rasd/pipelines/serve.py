@@ -292,7 +292,8 @@ def config_from_args(args: Any) -> dict[str, Any]:
         index = str(ensure_sample_index(args.model))   # built here, once, not inside the replica
     return {"model": args.model, "index": index, "draft_model": args.draft_model, "device": args.device,
             "dtype": args.dtype, "method": args.method, "docqa_method": args.docqa_method,
-            "max_batch": args.max_batch, "max_waiting": args.max_waiting, "max_tokens_limit": args.max_tokens_limit,
+            "max_batch": args.max_batch, "prefill_chunk": getattr(args, "prefill_chunk", 0),
+            "max_waiting": args.max_waiting, "max_tokens_limit": args.max_tokens_limit,
             "api_key": args.api_key, "threads": args.threads or default_threads(),
             "retrieval_shards": getattr(args, "retrieval_shards", 0), **draft_worker_config(args),
             **verifier_config(args)}

@@ -22,6 +22,8 @@ def register(subparsers: Any) -> Any:
     p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` (or set {API_KEY_ENV})")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prefill a request that joins running ones this many prompt tokens per step (0: at once)")
     p.add_argument("--max-waiting", type=int, default=16, help="queued requests beyond the batch (then 429)")
     p.add_argument("--max-tokens-limit", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads of the replica (default: all cores)")

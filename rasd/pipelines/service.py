@@ -48,6 +48,7 @@ class ServeConfig:
     method: str = "pld"                   # default for /v1/completions and /v1/chat/completions
     docqa_method: str = "rasd"            # default for /v1/docqa
     max_batch: int = 8                    # requests decoded together (one shared forward per step)
+    prefill_chunk: int = 0                # > 0: a joining request is prefilled this many tokens per step
     max_waiting: int = 16                 # queued beyond the batch; more gets 429
     max_tokens_limit: int = 1024          # the largest max_tokens a request may ask for
     max_prompt_tokens: int | None = None  # default: the model's context minus room for one token
@@ -124,7 +125,7 @@ class Service:
         self.draft = load_draft(config.draft_model, self.target)
         self.drafts = self._start_draft_workers() if config.draft_workers > 0 else None
         self.scheduler = Scheduler(self.target.model, max_batch=config.max_batch, max_waiting=config.max_waiting,
-                                   compute=self.compute)
+                                   compute=self.compute, prefill_chunk=config.prefill_chunk)
         # Token Recycling's matrix is shared by every request (hot start) and outlives the process on disk.
         self.recycling_path = matrix_path(self.target.name)
         self.recycling = RecyclingMatrix.load_or_new(self.recycling_path, vocab_size(self.target.model))
