@@ -151,13 +151,16 @@ class BatchCache(TreeCache):
 
     def keep_rows(self, start: int, kept: Sequence[Sequence[int]]) -> None:
         """After a batched tree step appended at `start`, keep row b's tree nodes `kept[b]` at its own length."""
-        for layer in self.layers:
-            for b, nodes in enumerate(kept):
-                src = torch.as_tensor(list(nodes), dtype=torch.long, device=layer._kbuf.device) + start
-                dst = self.row_lengths[b]
-                n = len(nodes)
-                layer._kbuf[b, :, dst: dst + n] = layer._kbuf[b].index_select(-2, src)
-                layer._vbuf[b, :, dst: dst + n] = layer._vbuf[b].index_select(-2, src)
+        # one gather and one scatter per buffer for all rows (per-row copies were ~500 small ops a step)
+        rows = [b for b, nodes in enumerate(kept) for _ in nodes]
+        src = [start + i for nodes in kept for i in nodes]
+        dst = [self.row_lengths[b] + j for b, nodes in enumerate(kept) for j in range(len(nodes))]
+        if rows and self.layers[0].is_initialized:
+            device = self.layers[0]._kbuf.device
+            b_idx, src_idx, dst_idx = (torch.tensor(x, dtype=torch.long, device=device) for x in (rows, src, dst))
+            for layer in self.layers:
+                for buf in (layer._kbuf, layer._vbuf):      # [B, kv_heads, capacity, head_dim]
+                    buf[b_idx, :, dst_idx] = buf[b_idx, :, src_idx]     # the gather copies before the scatter
         self.row_lengths = [length + len(nodes) for length, nodes in zip(self.row_lengths, kept, strict=True)]
         self._sync_length()
 
