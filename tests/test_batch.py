@@ -207,7 +207,14 @@ def test_batch_cache_a_leaving_row_takes_the_last_rows_slot_and_a_joining_row_se
     cache.add_row(one_row(3, 40.0))                          # shorter than the shared end (5)
     values = cache.layers[1].values
     assert (values[1, :, :3] == 41.0).all() and (values[1, :, 3:5] == 0).all(), "the gap is zeros, not stale"
-    assert cache.remove_rows([0, 1]) == [] and cache.rows == 0 and cache.get_seq_length() == 0
+    for layer in cache.layers:                               # past the shared end the store is uninitialised
+        layer._kstore[:, :, cache.get_seq_length():] = float("nan")
+        layer._vstore[:, :, cache.get_seq_length():] = float("nan")
+    cache.add_row(one_row(7, 50.0))                          # longer than the others: their gap grows
+    keys = cache.layers[0].keys                              # [3, 2, 7, 3]
+    assert (keys[2] == 50.0).all() and (keys[1, :, 3:7] == 0).all() and (keys[0, :, 5:7] == 0).all()
+    assert not cache.layers[1].values.isnan().any()
+    assert cache.remove_rows([0, 1, 2]) == [] and cache.rows == 0 and cache.get_seq_length() == 0
 
 
 def test_rows_leaving_from_the_middle_keep_every_request_its_own_tokens() -> None:

@@ -79,11 +79,15 @@ class SlotLayer(GrowableLayer):
         self._point()
 
     def put_row(self, row: int, src: GrowableLayer, length: int, shared: int) -> None:
-        """Slot `row` := src's first `length` entries, zeros up to the shared end (masked, but must be finite)."""
-        self._kstore[row, :, :length] = src._kbuf[0, :, :length]
-        self._vstore[row, :, :length] = src._vbuf[0, :, :length]
-        self._kstore[row, :, length:shared] = 0
-        self._vstore[row, :, length:shared] = 0
+        """Slot `row` := src's first `length` entries, zeros up to the shared end (masked, but must be finite).
+
+        A row longer than the others moves the shared end: the other rows' new gap [shared, length) is
+        zeroed too (the store is uninitialised memory, and a NaN there would survive the additive mask).
+        """
+        for store, part in ((self._kstore, src._kbuf), (self._vstore, src._vbuf)):
+            store[row, :, :length] = part[0, :, :length]
+            store[row, :, length:shared] = 0
+            store[:row, :, shared:length] = 0
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self._kstore[dst, :, :length] = self._kstore[src, :, :length]
