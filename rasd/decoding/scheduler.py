@@ -89,9 +89,6 @@ class Scheduler:
         with self._cond:
             return len(self._active), self._inflight - len(self._active)
 
-    def is_alive(self) -> bool:
-        return self.compute.is_alive()
-
     def close(self, timeout: float = 5.0) -> None:
         """Stop taking requests; those still running or waiting get an error event."""
         with self._cond:
