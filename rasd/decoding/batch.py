@@ -59,16 +59,15 @@ class SlotLayer(GrowableLayer):
         self._refresh_views()
 
     def _ensure_capacity(self, needed: int) -> None:
-        """Grow the store (all slots) when the shared end outgrows it; doubling, as `GrowableLayer`."""
-        slots, _, capacity, _ = self._kstore.shape
-        if needed > capacity:
-            self._regrow(slots, max(MIN_CAPACITY, needed, 2 * capacity))
+        """Grow the store (all slots) when the shared end outgrows it."""
+        self.ensure_slots(self._kstore.shape[0], max(MIN_CAPACITY, needed))
 
     def ensure_slots(self, rows: int, capacity: int) -> None:
+        """Room for `rows` rows of `capacity` entries; each dimension that grows at least doubles."""
         slots, _, current, _ = self._kstore.shape
         if rows > slots or capacity > current:
-            self._regrow(max(rows, 2 * slots if rows > slots else slots),
-                         max(current, capacity, 2 * current if capacity > current else current))
+            self._regrow(max(rows, 2 * slots) if rows > slots else slots,
+                         max(capacity, 2 * current) if capacity > current else current)
 
     def _regrow(self, slots: int, capacity: int) -> None:
         for name in ("_kstore", "_vstore"):

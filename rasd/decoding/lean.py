@@ -96,7 +96,7 @@ def _decode(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
 def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            mask: torch.Tensor | None) -> torch.Tensor:
     """One decoder layer, as LlamaDecoderLayer computes it."""
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     batch, length = hidden.shape[:2]
     x = _rms(hidden, layer.input_layernorm)
     shape = (batch, length, -1, attn.head_dim)
@@ -107,7 +107,12 @@ def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Ten
     k, v = kv.update(k, v)                                               # [B, H_kv, past + T, D]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
     o = o.transpose(1, 2).reshape(batch, length, -1)                     # [B, T, H * D]
-    hidden = hidden + attn.o_proj.forward(o)
+    return _mlp_block(layer, hidden + attn.o_proj.forward(o))
+
+
+def _mlp_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The layer's second half: pre-norm gated SiLU MLP plus its residual."""
+    mlp = layer.mlp
     x = _rms(hidden, layer.post_attention_layernorm)
     return hidden + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
 
@@ -165,7 +170,7 @@ def _layer_mixed(layer: torch.nn.Module, kvs: tuple[Any, Any], hidden: torch.Ten
                  ropes: tuple[list[torch.Tensor], list[torch.Tensor]],
                  masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`_layer` on stacked rows [B·W + C, H]: shared products, attention per part."""
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     batch, width = shape
     rows = batch * width
     x = _rms(hidden, layer.input_layernorm)
@@ -179,6 +184,4 @@ def _layer_mixed(layer: torch.nn.Module, kvs: tuple[Any, Any], hidden: torch.Ten
         o = F.scaled_dot_product_attention(_rotate(qp, cos, sin), kp, vp, attn_mask=mask, scale=attn.scaling,
                                            enable_gqa=True)
         outs.append(o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[-1]))
-    hidden = hidden + attn.o_proj.forward(torch.cat(outs))
-    x = _rms(hidden, layer.post_attention_layernorm)
-    return hidden + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+    return _mlp_block(layer, hidden + attn.o_proj.forward(torch.cat(outs)))
