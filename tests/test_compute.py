@@ -82,6 +82,7 @@ def test_a_service_runs_all_its_torch_work_on_its_compute_thread(tmp_path: Path)
     index = tmp_path / "index"
     build_index([Document(text=t, title=title) for title, t in DOCS[:2]], index)
     service = Service(ServeConfig(index=str(index), threads=1))
+    assert getattr(service.target.model.lm_head, "_rasd_fast", False), "kernel forms chosen at start-up"
     threads: dict[str, set[int]] = {"target": set(), "embedder": set()}
 
     def recorder(name: str) -> Any:

@@ -79,6 +79,7 @@ def test_load_or_measure_caches_to_disk(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(cost_mod, "measure_curve", quick_measure)
     monkeypatch.setattr(cost_mod, "machine_probe", lambda: 0.001)   # a machine exactly as busy as before
+    monkeypatch.setattr(cost_mod, "TRUSTED_FOR_S", 0.0)             # read the file on every call here
     small, large = context_bucket(100), context_bucket(100_000)
     assert small != large
     same = next(n for n in range(101, 100_000) if context_bucket(n) == small)
@@ -114,6 +115,7 @@ def test_a_curve_measured_on_a_busy_machine_is_measured_again(tmp_path: Path,
     calls: list[float] = []
     probe = {"now": 0.002}
     monkeypatch.setattr(cost_mod, "machine_probe", lambda: probe["now"])
+    monkeypatch.setattr(cost_mod, "TRUSTED_FOR_S", 0.0)
 
     def quick_measure(model, context_len, key="", **kwargs):   # noqa: ANN001, ANN202
         calls.append(probe["now"])
@@ -301,3 +303,27 @@ def test_unseen_fine_bucket_falls_back_to_its_source_and_depth_rate() -> None:
     assert key_seen != key_unseen and key_unseen not in est.counts
     assert est.rate(key_unseen) < 0.1
     assert est.rate(est.node_keys(chain(1, source="other"))[1]) == pytest.approx(est.prior[0] / sum(est.prior))
+
+
+def test_a_checked_curve_is_trusted_for_a_while_in_the_process(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder per request must not re-read the file and re-time the probe each time (≈ 12 ms)."""
+    model = tiny_llama(0)
+    real = cost_mod.measure_curve
+    probes: list[int] = []
+
+    def probe() -> float:
+        probes.append(1)
+        return 0.001
+
+    monkeypatch.setattr(cost_mod, "machine_probe", probe)
+    monkeypatch.setattr(cost_mod, "measure_curve",
+                        lambda model, context_len, key="", **kw: real(model, context_len, sizes=(1, 2), repeats=1,
+                                                                      key=key, progress=False))
+    first = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    checked = len(probes)
+    assert load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path) is first
+    assert len(probes) == checked, "trusted: no second probe"
+    monkeypatch.setattr(cost_mod, "TRUSTED_FOR_S", 0.0)     # time is up: read and checked again
+    again = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    assert again == first and again is not first and len(probes) == checked + 1

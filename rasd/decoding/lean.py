@@ -86,16 +86,19 @@ def _decode(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
     hidden = F.embedding(input_ids, inner.embed_tokens.weight)           # [1, T, H]
     cos, sin = inner.rotary_emb.forward(hidden, position_ids)            # [1, T, D] each
     cos, sin = cos[:, None], sin[:, None]                                # broadcast over heads
-    if mask is None and input_ids.shape[1] > 1:
+    # an empty cache (a whole prompt): the causal kernel, which skips the masked half of the products;
+    # after a cache, an explicit mask (the kernel's causal flag aligns to the top-left, not to the cache)
+    causal = mask is None and input_ids.shape[1] > 1 and cache.get_seq_length() == 0
+    if mask is None and input_ids.shape[1] > 1 and not causal:
         mask = _causal_mask(cache.get_seq_length(), input_ids.shape[1], hidden.dtype, hidden.device)
     for layer, kv in zip(inner.layers, cache.layers, strict=False):
-        hidden = _layer(layer, kv, hidden, cos, sin, mask)
+        hidden = _layer(layer, kv, hidden, cos, sin, mask, causal)
     return hidden
 
 
 def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           mask: torch.Tensor | None) -> torch.Tensor:
-    """One decoder layer, as LlamaDecoderLayer computes it."""
+           mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+    """One decoder layer, as LlamaDecoderLayer computes it (`causal`: no cache before these tokens)."""
     attn = layer.self_attn
     batch, length = hidden.shape[:2]
     x = _rms(hidden, layer.input_layernorm)
@@ -105,7 +108,8 @@ def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Ten
     v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     k, v = kv.update(k, v)                                               # [B, H_kv, past + T, D]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=attn.scaling,
+                                       enable_gqa=True)
     o = o.transpose(1, 2).reshape(batch, length, -1)                     # [B, T, H * D]
     return _mlp_block(layer, hidden + attn.o_proj.forward(o))
 
@@ -158,7 +162,8 @@ def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Ten
     hidden_d, hidden_c = F.embedding(input_ids, embed), F.embedding(chunk_ids, embed)
     rope_d = [t[:, None] for t in inner.rotary_emb.forward(hidden_d, position_ids)]       # [B, 1, W, D]
     rope_c = [t[:, None] for t in inner.rotary_emb.forward(hidden_c, chunk_pos)]          # [1, 1, C, D]
-    mask_c = _causal_mask(past, chunk_ids.shape[1], hidden_c.dtype, hidden_c.device)
+    # the first chunk has no cache before it: the causal kernel (None below), later ones an explicit mask
+    mask_c = _causal_mask(past, chunk_ids.shape[1], hidden_c.dtype, hidden_c.device) if past else None
     hidden = torch.cat([hidden_d.reshape(rows, -1), hidden_c[0]])                         # [B·W + C, H]
     for layer, kv_d, kv_c in zip(inner.layers, cache.layers, chunk_cache.layers, strict=False):
         hidden = _layer_mixed(layer, (kv_d, kv_c), hidden, (batch, width), (rope_d, rope_c), (mask, mask_c))
@@ -168,8 +173,8 @@ def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Ten
 
 def _layer_mixed(layer: torch.nn.Module, kvs: tuple[Any, Any], hidden: torch.Tensor, shape: tuple[int, int],
                  ropes: tuple[list[torch.Tensor], list[torch.Tensor]],
-                 masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """`_layer` on stacked rows [B·W + C, H]: shared products, attention per part."""
+                 masks: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    """`_layer` on stacked rows [B·W + C, H]: shared products, attention per part (mask None: causal)."""
     attn = layer.self_attn
     batch, width = shape
     rows = batch * width
@@ -181,7 +186,7 @@ def _layer_mixed(layer: torch.nn.Module, kvs: tuple[Any, Any], hidden: torch.Ten
         lead = (batch, width) if part == 0 else (1, hidden.shape[0] - rows)
         qp, kp, vp = (t[sl].view(*lead, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
         kp, vp = kv.update(_rotate(kp, cos, sin), vp)
-        o = F.scaled_dot_product_attention(_rotate(qp, cos, sin), kp, vp, attn_mask=mask, scale=attn.scaling,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(_rotate(qp, cos, sin), kp, vp, attn_mask=mask, is_causal=mask is None,
+                                           scale=attn.scaling, enable_gqa=True)
         outs.append(o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[-1]))
     return _mlp_block(layer, hidden + attn.o_proj.forward(torch.cat(outs)))

@@ -64,8 +64,10 @@ class SuffixArray:
     def __init__(self, tokens: np.ndarray, sa: np.ndarray):
         if len(tokens) != len(sa):
             raise ValueError(f"token array ({len(tokens)}) and suffix array ({len(sa)}) differ in length")
-        self.tokens = tokens
-        self.sa = sa
+        # a memmap indexed element by element (the binary searches below) pays numpy's memmap subclass
+        # bookkeeping on every access; a plain ndarray view of the same mapping does not (no copy)
+        self.tokens = tokens.view(np.ndarray) if isinstance(tokens, np.memmap) else tokens
+        self.sa = sa.view(np.ndarray) if isinstance(sa, np.memmap) else sa
 
     @classmethod
     def build(cls, tokens: np.ndarray) -> SuffixArray:

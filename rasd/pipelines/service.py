@@ -23,6 +23,7 @@ import torch
 from rasd.decoding.compute import ComputeThread
 from rasd.decoding.control import CostAwareSizer
 from rasd.decoding.engine import GenerationOutput, build_decoder, vocab_size
+from rasd.decoding.kernels import install
 from rasd.decoding.proposers import METHODS, RecyclingMatrix
 from rasd.decoding.proposers.recycling import matrix_path
 from rasd.decoding.sampling import SamplingParams
@@ -134,11 +135,14 @@ class Service:
         """Load the query embedder and run the target once before the first request.
 
         A fresh process pays for its first forward (allocator, kernel selection) and, lazily, for loading
-        the embedder: without this the first requests after a start are a second or more slower each.
+        the embedder: without this the first requests after a start are a second or more slower each. The
+        skinny-product forms (`kernels.install`, about a second of timings) are chosen here too, not inside
+        the first request's decoder.
         """
         if search and self.index is not None:
             self._search("warm up", 1)
         if forward:
+            install(self.target.model)
             with torch.inference_mode():
                 ids = torch.tensor([self.encode_text("Warm up.")], device=self.target.model.device)
                 self.target.model(input_ids=ids)
