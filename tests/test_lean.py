@@ -82,6 +82,24 @@ def test_unmasked_multi_token_step_is_causal(one_thread) -> None:
     torch.testing.assert_close(last[0, 0], ref[0, -1], rtol=1e-5, atol=1e-5)
 
 
+def test_a_whole_prompt_runs_on_the_causal_kernel_like_hf(one_thread) -> None:
+    """A prefill (empty cache, no mask) takes the causal kernel, as HF does: same logits and cache bit for bit
+    (an explicit mask would compute the masked half of every product and sum in another order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = install(tiny_llama(0))
+    prompt = random_prompt(40, 5)
+    ids, pos = torch.tensor([prompt]), torch.arange(len(prompt))[None]
+    hf_cache, lean_cache = TreeCache.for_model(model), TreeCache.for_model(model)
+    with torch.inference_mode(), fast_kernels():
+        ref = model(input_ids=ids, use_cache=True, **cache_kwargs(model, hf_cache)).logits
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = lean.forward(model, lean_cache, ids, pos)
+    assert torch.equal(ref, got)
+    assert torch.equal(hf_cache.layers[1].keys, lean_cache.layers[1].keys)
+    assert not any("masked_fill" in event.key for event in prof.key_averages()), "no mask was built"
+
+
 def test_outside_fast_kernels_and_for_other_models_hf_runs(one_thread) -> None:
     """No bypass outside `fast_kernels()`, and none for eager attention (its numerics differ from sdpa)."""
     from transformers import LlamaConfig, LlamaForCausalLM
