@@ -251,3 +251,26 @@ def test_load_level_counts_errors_and_rejections_without_retrying(service: dict[
     assert " - " in format_load_table({"hf_tokens_per_s": 1.0, "hf_e2e_tokens_per_s": 1.0, "levels": [level]})
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([1.0] * 99 + [9.0], 0.99) == 1.0
     assert percentile([1.0] * 98 + [9.0, 9.0], 0.99) == 9.0 and percentile([], 0.5) is None
+
+
+def test_a_ray_started_for_the_service_runs_serve_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rasd serve --detach` starts Ray with Serve's control loop at 1 s (not 0.1 s), unless the user chose."""
+    import os
+    import subprocess
+
+    from rasd.pipelines import serve as serve_mod
+
+    calls: list[tuple[list[str], dict[str, Any]]] = []
+
+    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        calls.append((cmd, kwargs))
+        return subprocess.CompletedProcess(cmd, 1 if cmd[1] == "status" else 0, "", "")   # no cluster yet
+
+    monkeypatch.setattr(serve_mod.subprocess, "run", fake_run)
+    monkeypatch.delenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", raising=False)
+    serve_mod.ensure_local_cluster()
+    (env,) = [kwargs["env"] for cmd, kwargs in calls if cmd[1:3] == ["start", "--head"]]
+    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "1.0"
+    assert env["PATH"] == os.environ["PATH"], "the rest of the environment is passed on"
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
+    assert serve_mod.ray_env()["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2", "the user's setting wins"
