@@ -274,3 +274,24 @@ def test_a_ray_started_for_the_service_runs_serve_quietly(monkeypatch: pytest.Mo
     assert env["PATH"] == os.environ["PATH"], "the rest of the environment is passed on"
     monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
     assert serve_mod.ray_env()["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2", "the user's setting wins"
+
+
+def test_load_plot_labels_each_level_against_both_hf_rates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plot says what the table says: aggregate vs HF decode-only and vs HF with prefill, per level."""
+    import matplotlib.figure
+
+    from rasd.pipelines.load import plot_load
+
+    saved: list[Any] = []
+    real_savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path, **kw: (saved.append(fig), real_savefig(fig, path, **kw)))
+    summary = {"method": "rasd", "max_tokens": 8, "hf_tokens_per_s": 10.0, "hf_e2e_tokens_per_s": 8.0,
+               "levels": [{"concurrency": c, "tokens_per_s": t, "latency_p50_s": 1.0, "latency_p99_s": 2.0}
+                          for c, t in ((1, 12.0), (8, 30.0))]}
+    plot_load(summary, str(tmp_path / "both.png"))
+    assert [t.get_text() for t in saved[-1].axes[0].texts] == ["1.20x / 1.50x hf", "3.00x / 3.75x hf"]
+    del summary["hf_e2e_tokens_per_s"]                    # results files from before it was recorded
+    plot_load(summary, str(tmp_path / "decode.png"))
+    assert [t.get_text() for t in saved[-1].axes[0].texts] == ["1.20x hf", "3.00x hf"]
+    assert (tmp_path / "both.png").stat().st_size > 0 and (tmp_path / "decode.png").stat().st_size > 0

@@ -221,11 +221,21 @@ def plot_load(summary: dict[str, Any], path: str) -> None:
     levels = summary["levels"]
     conc = [lv["concurrency"] for lv in levels]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(conc, [lv["tokens_per_s"] for lv in levels], "o-", label="rasd service (aggregate)")
-    ax1.axhline(summary["hf_tokens_per_s"], color="gray", ls="--", label="hf greedy, one request")
+    rates = [lv["tokens_per_s"] for lv in levels]
+    ax1.plot(conc, rates, "o-", label="rasd service (aggregate)")
+    hf, hf_e2e = summary["hf_tokens_per_s"], summary.get("hf_e2e_tokens_per_s")
+    ax1.axhline(hf, color="gray", ls="--", label="hf greedy, one request (decode)")
+    if hf_e2e:   # the like-for-like baseline: the aggregate counts prefill too
+        ax1.axhline(hf_e2e, color="gray", ls=":", label="hf greedy, one request (with prefill)")
+    for i, (c, rate) in enumerate(zip(conc, rates, strict=True)):
+        note = f"{rate / hf:.2f}x" + (f" / {rate / hf_e2e:.2f}x" if hf_e2e else "") + " hf"
+        last = i == len(conc) - 1
+        ax1.annotate(note, (c, rate), textcoords="offset points", xytext=(-6 if last else 6, -14),
+                     ha="right" if last else "left", fontsize=8)
+    ax1.set_ylim(0, max(rates + [hf]) * 1.2)
     ax1.set_xlabel("concurrent requests")
-    ax1.set_ylabel("tokens/s")
-    ax1.legend()
+    ax1.set_ylabel("tokens/s  (labels: vs hf decode / with prefill)")
+    ax1.legend(loc="upper left", fontsize=8)
     ax2.plot(conc, [lv["latency_p50_s"] for lv in levels], "o-", label="p50")
     ax2.plot(conc, [lv["latency_p99_s"] for lv in levels], "s--", label="p99")
     ax2.set_xlabel("concurrent requests")
