@@ -86,11 +86,10 @@ def _decode(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
     hidden = F.embedding(input_ids, inner.embed_tokens.weight)           # [1, T, H]
     cos, sin = inner.rotary_emb.forward(hidden, position_ids)            # [1, T, D] each
     cos, sin = cos[:, None], sin[:, None]                                # broadcast over heads
-    # an empty cache (a whole prompt): the causal kernel, which skips the masked half of the products;
-    # after a cache, an explicit mask (the kernel's causal flag aligns to the top-left, not to the cache)
-    causal = mask is None and input_ids.shape[1] > 1 and cache.get_seq_length() == 0
-    if mask is None and input_ids.shape[1] > 1 and not causal:
-        mask = _causal_mask(cache.get_seq_length(), input_ids.shape[1], hidden.dtype, hidden.device)
+    causal = False
+    if mask is None and input_ids.shape[1] > 1:
+        mask = _prompt_mask(cache.get_seq_length(), input_ids.shape[1], hidden.dtype, hidden.device)
+        causal = mask is None
     for layer, kv in zip(inner.layers, cache.layers, strict=False):
         hidden = _layer(layer, kv, hidden, cos, sin, mask, causal)
     return hidden
@@ -142,6 +141,15 @@ def _causal_mask(past: int, length: int, dtype: torch.dtype, device: torch.devic
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+def _prompt_mask(past: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Prompt tokens attending causally: None (use the causal kernel) on an empty cache, else a mask.
+
+    Why both: the causal kernel skips the masked half of the products, but its causal flag aligns to the
+    top-left, so after a cache it would hide the cache; there an explicit mask is needed.
+    """
+    return _causal_mask(past, length, dtype, device) if past else None
+
+
 def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                   mask: torch.Tensor, chunk_cache: TreeCache, chunk_ids: torch.Tensor,
                   chunk_last: bool) -> torch.Tensor:
@@ -162,8 +170,7 @@ def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Ten
     hidden_d, hidden_c = F.embedding(input_ids, embed), F.embedding(chunk_ids, embed)
     rope_d = [t[:, None] for t in inner.rotary_emb.forward(hidden_d, position_ids)]       # [B, 1, W, D]
     rope_c = [t[:, None] for t in inner.rotary_emb.forward(hidden_c, chunk_pos)]          # [1, 1, C, D]
-    # the first chunk has no cache before it: the causal kernel (None below), later ones an explicit mask
-    mask_c = _causal_mask(past, chunk_ids.shape[1], hidden_c.dtype, hidden_c.device) if past else None
+    mask_c = _prompt_mask(past, chunk_ids.shape[1], hidden_c.dtype, hidden_c.device)
     hidden = torch.cat([hidden_d.reshape(rows, -1), hidden_c[0]])                         # [B·W + C, H]
     for layer, kv_d, kv_c in zip(inner.layers, cache.layers, chunk_cache.layers, strict=False):
         hidden = _layer_mixed(layer, (kv_d, kv_c), hidden, (batch, width), (rope_d, rope_c), (mask, mask_c))
