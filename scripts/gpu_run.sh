@@ -3,7 +3,8 @@
 #
 # Why a shell script: that machine has torch/transformers but not rasd's other dependencies (Ray, FAISS, the
 # query embedder), and at most 64 MiB travels per call. So an earlier call leaves the embedded model's GGUF's
-# first part in STAGE, and .gpu/r brings the rest: the second part, the gguf wheel, the sample index with its
+# first part in STAGE, and .gpu/r brings the rest: the second part, the wheels the image lacks (w/: gguf, pydantic
+# with pydantic-core, annotated-types and typing-inspection, pydivsufsort), the sample index with its
 # 16 document-QA prompts (retrieved here: `python scripts/inprocess_load.py --save-prompts`), Spec-Bench's
 # questions, and the tokenizer files of the CPU conversion (the index's tokenizer check then compares like
 # with like). Elsewhere, with rasd installed normally, run the Python commands below directly.

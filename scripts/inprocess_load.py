@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     svc.close()
     return {"device": str(svc.target.device), "device_name": device_name(args.device), "dtype": args.dtype,
             "method": args.method, "max_tokens": args.max_tokens, "questions": len(preps),
+            "label": f"rasd scheduler in-process on {device_name(args.device)} (aggregate)",
             "hf_tokens_per_s": ref["hf_tokens_per_s"], "hf_e2e_tokens_per_s": ref["hf_e2e_tokens_per_s"],
             "levels": results}
 

@@ -222,7 +222,7 @@ def plot_load(summary: dict[str, Any], path: str) -> None:
     conc = [lv["concurrency"] for lv in levels]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     rates = [lv["tokens_per_s"] for lv in levels]
-    ax1.plot(conc, rates, "o-", label="rasd service (aggregate)")
+    ax1.plot(conc, rates, "o-", label=summary.get("label", "rasd service (aggregate)"))
     hf, hf_e2e = summary["hf_tokens_per_s"], summary.get("hf_e2e_tokens_per_s")
     ax1.axhline(hf, color="gray", ls="--", label="hf greedy, one request (decode)")
     if hf_e2e:   # the like-for-like baseline: the aggregate counts prefill too
@@ -244,3 +244,4 @@ def plot_load(summary: dict[str, Any], path: str) -> None:
     fig.suptitle(f"document QA load ({summary['method']}, max_tokens {summary['max_tokens']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
