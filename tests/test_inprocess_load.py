@@ -3,25 +3,17 @@ and checked token for token against HF greedy (how the GPU document-QA numbers w
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("inprocess_load", ROOT / "scripts" / "inprocess_load.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.script_helpers import load_script
 
 
 @pytest.mark.slow
 def test_saved_prompts_replay_through_the_batch_equal_to_hf(tmp_path: Path) -> None:
-    script = load_script()
+    script = load_script("inprocess_load")
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "load.json"
     assert script.main(["--save-prompts", str(prompts), "--limit", "3", "--max-tokens", "12"]) == 0
     rows = [json.loads(line) for line in prompts.read_text().splitlines()]
@@ -41,5 +33,5 @@ def test_saved_prompts_replay_through_the_batch_equal_to_hf(tmp_path: Path) -> N
 
 def test_replay_needs_prompts(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        load_script().main(["--concurrency", "2"])
+        load_script("inprocess_load").main(["--concurrency", "2"])
     assert "--prompts" in capsys.readouterr().err

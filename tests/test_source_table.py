@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("source_table", ROOT / "scripts" / "source_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.script_helpers import load_script
 
 
 def test_shares_and_rates_per_category(tmp_path: Path) -> None:
@@ -25,7 +17,7 @@ def test_shares_and_rates_per_category(tmp_path: Path) -> None:
     ]
     path = tmp_path / "answers.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    script = load_script()
+    script = load_script("source_table")
     by_source, generated = script.aggregate(path, "rasd")
     assert dict(by_source["qa"]) == {"context": 30, "recycling": 10} and generated["overall"] == 150
     text = script.table(by_source, generated).splitlines()
