@@ -21,10 +21,11 @@ from rasd.decoding.control import (
     ended_at_leaf,
     make_sizer,
 )
+from rasd.decoding.cost import CostCurve
 from rasd.decoding.engine import build_decoder
 from rasd.decoding.tree import DraftTree
 from tests.conftest import assert_greedy_equal, hf_greedy, tiny_llama
-from tests.test_engine_greedy import check_stats, flat_curve, make_decoder, prompt_of
+from tests.test_engine_greedy import check_stats, cpu_like_curve, flat_curve, make_decoder, prompt_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -257,3 +258,40 @@ def test_cli_offers_every_sizing_and_refuses_ldlp_before_loading(capsys: pytest.
     code = main(["generate", "--model", "/nonexistent", "--method", "ar", "--prompt", "hi", "--sizing", "ldlp"])
     err = capsys.readouterr().err
     assert code == 2 and "rasd train ldlp" in err and err.count("\n") == 1
+
+
+def h200_like_curve(context_len: int) -> CostCurve:
+    """The H200's measured verify curve (README, "On a GPU"): flat, 64 tokens cost 4% more than one."""
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    return CostCurve(key="h200", context_len=256, sizes=sizes,
+                     latency_s=[0.02525] * 4 + [0.02570, 0.02570, 0.02626])
+
+
+def test_one_lucky_timing_does_not_lock_the_sizer_onto_its_size() -> None:
+    """On a flat curve sizes differ by less than their timing noise: a single fast observation at 23 nodes
+    must not make 23 look cheaper than 40 (it did when each exact size kept its own time)."""
+    sizer = CostAwareSizer(h200_like_curve, max_nodes=63)
+    tree = DraftTree.root_only(0)
+    for token in range(1, 41):              # 40 first-token guesses (a recycled top-k): each one worth a node
+        tree.add(0, token, "recycling", 0.5)
+    before = sizer.cut(tree, 300).num_draft_tokens
+    assert before > 23
+    sizer.observe(chain(22), [1, 2], 0.0, verify_s=0.95 * h200_like_curve(300).latency(23))
+    assert sizer.cut(tree, 300).num_draft_tokens == before
+    curve = h200_like_curve(300)
+    # the correction scales the curve; its shape (what bigger trees cost more) stays the measured one
+    assert sizer.latency(curve, 40) / sizer.latency(curve, 23) == pytest.approx(curve.latency(40) / curve.latency(23))
+
+
+def test_latency_corrections_are_pooled_per_size_class_and_carry_to_other_contexts() -> None:
+    sizer = CostAwareSizer(cpu_like_curve, max_nodes=63)
+    sizer.cut(chain(4), 500)                                    # the curve of this context is the reference
+    sizer.observe(chain(4), [1], 0.0, verify_s=2.0 * cpu_like_curve(500).latency(5))      # class 4-7: 2x
+    assert sizer.observed == {3: pytest.approx(2.0)}
+    far = CostCurve(key="far", context_len=2048, sizes=[1, 64], latency_s=[0.5, 1.0])
+    assert sizer.latency(far, 6) == pytest.approx(2.0 * far.latency(6))      # same class, other context
+    assert sizer.latency(far, 40) == pytest.approx(2.0 * far.latency(40))    # unseen class: the mean so far
+    sizer.cut(chain(40), 500)
+    sizer.observe(chain(40), [1], 0.0, verify_s=1.0 * cpu_like_curve(500).latency(41))   # class 32-63: 1x
+    assert sizer.observed[6] == pytest.approx(1.0) and sizer.observed[3] == pytest.approx(2.0)
+    assert 1.0 < sizer.observed_all < 2.0

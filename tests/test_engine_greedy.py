@@ -361,7 +361,7 @@ def test_draft_tree_scores_are_sequential_path_probabilities() -> None:
 
 def test_cost_aware_sizer_explores_after_plain_steps_and_learns_real_latency() -> None:
     """A curve measured on a busy machine must not forbid speculation forever: after `explore_every`
-    plain steps a small tree is tried, and observed verify times replace the cached curve."""
+    plain steps a small tree is tried, and observed verify times correct the cached curve."""
     model = tiny_llama(0)
     prompt = prompt_of(40, 5)
     ref = hf_greedy(model, prompt, 37)
@@ -370,4 +370,5 @@ def test_cost_aware_sizer_explores_after_plain_steps_and_learns_real_latency() -
     out = make_decoder(model, "pld", sizer=sizer).generate(prompt, 37)
     assert out.token_ids == ref
     assert out.stats.num_draft_tokens > 0
-    assert sizer.observed and all(v < 0.5 for v in sizer.observed.values())
+    # the tiny model verifies in milliseconds against the curve's 100 s per token: ratios far below 1
+    assert sizer.observed and all(v < 0.01 for v in sizer.observed.values()) and sizer.observed_all < 0.01

@@ -187,8 +187,15 @@ class CostAwareSizer:
         self.overhead_s = 0.0               # EMA of step time spent outside the target forward
         self.last_choice: tuple[int, int] = (0, 0)   # (nodes offered, nodes kept), for statistics
         # Online correction of the cached curve: a curve measured while the machine was busy would
-        # otherwise forbid speculation forever. Observed verify times per tree size replace the curve's.
+        # otherwise forbid speculation forever. Observed verify time / the curve's, per power-of-two size
+        # class (`size_class`), scales the curve; classes not seen yet take the mean over all observations.
+        # Why ratios pooled by class, not one time per exact size: with a flat curve (a GPU) sizes differ
+        # by less than their timing noise, and the argmax over 64 separately-noisy sizes locked onto a few
+        # lucky small ones (H200: `rasd` trees stuck at 23 and 30 nodes while the budget was 63); a ratio
+        # also carries over to other context lengths, where an absolute time does not.
         self.observed: dict[int, float] = {}
+        self.observed_all: float | None = None
+        self._curve: CostCurve | None = None    # the curve the last `cut` used: `observe` compares with it
         self.learn_latency = True
         self.explore_every = 16             # after this many plain steps, try a small tree once
         self.explore_nodes = 4
@@ -200,8 +207,9 @@ class CostAwareSizer:
         self._exploring = False
 
     def latency(self, curve: CostCurve, n_tokens: int) -> float:
-        """Observed latency of this tree size when known, else the measured curve's."""
-        return self.observed.get(n_tokens, curve.latency(n_tokens))
+        """The measured curve's latency, scaled by what verifying trees of this size class really took."""
+        ratio = self.observed.get(size_class(n_tokens), self.observed_all)
+        return curve.latency(n_tokens) * (1.0 if ratio is None else ratio)
 
     def budget(self, context_len: int) -> int:
         """Largest tree worth asking proposers for: bounded by the curve and by `max_nodes`."""
@@ -209,10 +217,10 @@ class CostAwareSizer:
 
     def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
         """The prefix-closed subtree of the best size (possibly just the root)."""
+        curve = self._curve = self.curve_for(context_len)
         if tree.num_draft_tokens == 0:
             self.last_choice = (0, 0)
             return tree
-        curve = self.curve_for(context_len)
         probs = self.estimator.path_probs(tree)
         sampled, ranked = rank_nodes(tree, probs)
         limit = min(len(ranked), max(self.budget(context_len) - len(sampled), 0))
@@ -240,9 +248,17 @@ class CostAwareSizer:
             self._backoff = min(2 * self._backoff, self.max_backoff) if not accepted else 1
             self._exploring = False
         self.overhead_s = overhead_s if self.overhead_s == 0 else 0.9 * self.overhead_s + 0.1 * overhead_s
-        if verify_s is not None and self.learn_latency:
-            old = self.observed.get(len(tree))
-            self.observed[len(tree)] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
+        if verify_s is not None and self.learn_latency and self._curve is not None:
+            ratio = verify_s / self._curve.latency(len(tree))
+            key = size_class(len(tree))
+            old = self.observed.get(key)
+            self.observed[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
+            self.observed_all = ratio if self.observed_all is None else 0.9 * self.observed_all + 0.1 * ratio
+
+
+def size_class(n_tokens: int) -> int:
+    """Tree sizes sharing one latency correction: 1, 2-3, 4-7, ..., 32-63, 64-127 (the curve's own grid)."""
+    return max(1, int(n_tokens)).bit_length()
 
 
 class Sizer(Protocol):

@@ -420,7 +420,7 @@ def sizer_state(sizer: Any) -> dict[str, Any]:
     if not isinstance(sizer, CostAwareSizer):
         return {}
     return {"counts": copy.deepcopy(sizer.estimator.counts), "observed": dict(sizer.observed),
-            "overhead_s": sizer.overhead_s}
+            "observed_all": sizer.observed_all, "overhead_s": sizer.overhead_s}
 
 
 def warm_start(sizer: Any, state: dict[str, Any] | None) -> None:
@@ -433,4 +433,5 @@ def warm_start(sizer: Any, state: dict[str, Any] | None) -> None:
     if state and isinstance(sizer, CostAwareSizer):
         sizer.estimator.counts = copy.deepcopy(state["counts"])
         sizer.observed = dict(state["observed"])
+        sizer.observed_all = state.get("observed_all")
         sizer.overhead_s = state["overhead_s"]
