@@ -95,18 +95,12 @@ def hf_reference(target: Any, preps: list[Any], max_tokens: int) -> dict[str, An
     from tqdm import tqdm
 
     from rasd.pipelines.bench import HFRunner, SamplingConfig
+    from rasd.pipelines.load import hf_rates
 
     hf = HFRunner("hf", target, SamplingConfig())
     hf.run(preps[0].prompt_ids, 8, None)            # the first call on a device pays for its set-up
-    tokens, decode, e2e = [], [], []
-    for p in tqdm(preps, desc="hf greedy", file=sys.stderr):
-        record = hf.run(p.prompt_ids, max_tokens, None)
-        tokens.append(record.token_ids)
-        if record.tokens_per_s:
-            decode.append(record.tokens_per_s)
-        e2e.append(len(record.token_ids) / record.total_time_s)
-    return {"token_ids": tokens, "hf_tokens_per_s": statistics.median(decode),
-            "hf_e2e_tokens_per_s": statistics.median(e2e)}
+    records = [hf.run(p.prompt_ids, max_tokens, None) for p in tqdm(preps, desc="hf greedy", file=sys.stderr)]
+    return {"token_ids": [r.token_ids for r in records], **hf_rates(records)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

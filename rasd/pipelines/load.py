@@ -146,16 +146,19 @@ def reference(index_spec: str, model: str, questions: list[str], method: str, to
     index, target = open_index(index_spec, model), load_model(model)
     qa = DocQA(index, target, method=method, top_k=top_k, max_new_tokens=max_tokens)
     hf = HFRunner("hf", target, SamplingConfig())
-    answers, decode, e2e = {}, [], []
+    answers, records = {}, []
     for question in tqdm(questions, desc="in-process reference + hf", file=sys.stderr):
         answers[question] = qa.ask(question).answer
         ids, _ = qa.prepare(question)
-        record = hf.run(ids, max_tokens, None)
-        if record.tokens_per_s:
-            decode.append(record.tokens_per_s)
-        e2e.append(record.new_tokens / record.total_time_s)
-    return {"answers": answers, "hf_tokens_per_s": statistics.median(decode),
-            "hf_e2e_tokens_per_s": statistics.median(e2e)}
+        records.append(hf.run(ids, max_tokens, None))
+    return {"answers": answers, **hf_rates(records)}
+
+
+def hf_rates(records: list[Any]) -> dict[str, float]:
+    """The single-request baseline from HF runs: median decode and median with-prefill tokens/s."""
+    decode = [r.tokens_per_s for r in records if r.tokens_per_s]
+    e2e = [r.new_tokens / r.total_time_s for r in records]
+    return {"hf_tokens_per_s": statistics.median(decode), "hf_e2e_tokens_per_s": statistics.median(e2e)}
 
 
 def run_load(args: Any) -> int:
