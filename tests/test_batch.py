@@ -353,3 +353,43 @@ def test_a_request_joining_a_running_batch_is_prefilled_in_chunks_alongside_its_
         assert_greedy_equal(model, stream.prompt_ids, stream.output.token_ids, ref)
         assert blocks[id(stream)] == stream.output.token_ids
     assert streams[2].output.token_ids == alone == blocks[id(streams[2])]
+
+
+class _Flaky:
+    """A proposer that raises on its `fail_at`-th proposal (a bug in one step), else delegates."""
+
+    def __init__(self, inner: Any, fail_at: int):
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def propose(self, context: list[int], max_nodes: int) -> DraftTree:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected proposer bug")
+        return self.inner.propose(context, max_nodes)
+
+
+def test_a_failing_step_fails_every_request_in_it_and_the_scheduler_keeps_serving() -> None:
+    """A bug in one step (here a proposer raising mid-batch, rows in the cache) must end each request in the
+    batch with an error, never a hang, and leave the scheduler able to decode the next requests exactly."""
+    model = tiny_llama(0)
+    scheduler = Scheduler(model, max_batch=3, max_waiting=8)
+    try:
+        streams = []
+        for i, (length, seed) in enumerate([(40, 0), (30, 1), (35, 2)]):
+            dec = decoder(model, "pld")
+            if i == 1:
+                dec.proposer = _Flaky(dec.proposer, fail_at=4)
+            streams.append(dec.stream(repeating(length, seed), 40))
+        events = collect(scheduler, streams, timeout=60)
+        assert all(evs[-1][0] == "error" for evs in events), [evs[-1][0] for evs in events]
+        assert "injected proposer bug" in events[1][-1][1]
+        assert scheduler.load() == (0, 0)
+        prompt = repeating(33, 3)
+        after = collect(scheduler, [decoder(model, "pld").stream(prompt, 20)], timeout=60)[0]
+        assert after[-1][0] == "done"
+        assert_greedy_equal(model, prompt, after[-1][1].token_ids, hf_greedy(model, prompt, 20), label="after")
+    finally:
+        scheduler.close()

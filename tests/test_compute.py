@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,35 @@ def test_closing_fails_the_calls_still_queued_and_tells_the_worker() -> None:
 
 
 @pytest.mark.slow
+def test_a_worker_that_raises_does_not_stop_the_thread() -> None:
+    """The scheduler fails its own requests on a bad step; should anything still escape `work_once`, the
+    thread must go on serving calls and steps (a dead compute thread would leave every request hanging)."""
+    compute = ComputeThread()
+    calls: list[int] = []
+
+    class Worker:
+        def has_work(self) -> bool:
+            return len(calls) < 2
+
+        def work_once(self) -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a bug in a step")
+
+        def stopped(self) -> None:
+            pass
+
+    try:
+        compute.attach(Worker())
+        assert compute.call(lambda: "still serving").result(timeout=10) == "still serving"
+        deadline = time.monotonic() + 10
+        while compute.call(lambda: len(calls)).result(timeout=10) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(calls) >= 2 and compute.is_alive()
+    finally:
+        compute.close()
+
+
 def test_a_service_runs_all_its_torch_work_on_its_compute_thread(tmp_path: Path) -> None:
     """Decoding, query embedding and document ingest of a real service: every forward on one thread."""
     from rasd.index import Document, build_index

@@ -52,6 +52,37 @@ def test_update_writes_the_top_k_of_every_node_last_write_wins() -> None:
     assert m.root_probs(1) is None
 
 
+def test_rows_with_non_finite_logits_are_not_recycled_and_a_saved_nan_row_is_dropped(tmp_path: Path) -> None:
+    """NaN/inf logits must not reach the shared, persisted matrix; one that an older version saved is read as
+    unseen. (Seen on the service: a NaN row for token 0 on disk, and a step's sizing then failed on NaN scores.)"""
+    m = RecyclingMatrix(6, k=2)
+    logits = torch.tensor([[0.0, 5, 1, 0, 0, 0],
+                           [float("nan")] * 6,
+                           [float("-inf")] * 6,
+                           [0.0, 0, 0, 7, float("inf"), 6]])
+    m.update([3, 4, 0, 5], logits)
+    assert m.tokens[3].tolist() == [1, 2]
+    assert not m.known(4) and not m.known(0) and not m.known(5)
+    assert torch.isfinite(m.probs).all()
+    m.probs[3] = float("nan")                          # what an unguarded update could have saved
+    m.save(tmp_path / "rec.npz")
+    back = RecyclingMatrix.load(tmp_path / "rec.npz", 6, k=2)
+    assert not back.known(3) and torch.isfinite(back.probs).all()
+    tree = RecyclingProposer(back).propose([1, 3], 8)
+    assert len(tree) == 1                              # unseen: nothing recycled after it
+
+
+def test_node_buckets_survive_nan_and_overflowing_scores() -> None:
+    from rasd.decoding.control import AcceptanceEstimator
+
+    tree = DraftTree.root_only(1)
+    a = tree.add(0, 2, "recycling", 1e-310)
+    tree.add(a, 3, "recycling", 0.5)                   # 0.5 / 1e-310 overflows to inf
+    tree.add(a, 4, "recycling", float("nan"))
+    keys = AcceptanceEstimator().node_keys(tree)
+    assert [k[3] for k in keys[1:]] == [0, 3, 0]
+
+
 def test_observe_recycles_every_verified_node_accepted_or_not() -> None:
     m = RecyclingMatrix(TINY_VOCAB, k=4)
     proposer = RecyclingProposer(m)

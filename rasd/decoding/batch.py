@@ -240,6 +240,7 @@ class BatchDecoder:
         # tokens in all; the single-request sizer alone decides when the batch holds one request.
         self.max_batch_tokens = max_batch_tokens
         self.sizer = BatchSizer(max_tokens=max_batch_tokens)
+        self.slots = slots
         self.cache = BatchCache.for_model(model, slots)
         self.streams: list[GenerationStream] = []
         self.prefilling: deque[PrefillJob] = deque()
@@ -278,11 +279,22 @@ class BatchDecoder:
         self.streams.append(stream)
         return first
 
+    @torch.inference_mode()
     def remove(self, stream: GenerationStream) -> None:
         """Drop a request between steps (cancelled by its caller)."""
         if stream in self.streams:
             self._drop([self.streams.index(stream)])
         self.prefilling = deque(job for job in self.prefilling if job.stream is not stream)
+
+    def clear(self) -> None:
+        """Drop every request and start from an empty cache.
+
+        Why not `remove` each: after a step failed half-way (a proposer bug, out of memory) the rows'
+        cache entries may not match their streams any more; a fresh cache is the only state known good.
+        """
+        self.streams = []
+        self.prefilling.clear()
+        self.cache = BatchCache.for_model(self.model, self.slots)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[GenerationStream, list[int]]]:

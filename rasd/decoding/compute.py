@@ -17,6 +17,7 @@ building a request's decoder) is queued to it with `call`/`run`/`acall` and runs
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Worker(Protocol):
@@ -108,7 +110,10 @@ class ComputeThread:
                 if future.set_running_or_notify_cancel():
                     _settle(future, job)
             if worker is not None:
-                worker.work_once()
+                try:
+                    worker.work_once()
+                except Exception:   # the worker fails its own requests; the thread must outlive its bugs
+                    log.exception("the compute thread's worker raised; going on")
         self._shutdown()
 
     def _worker_busy(self) -> bool:

@@ -76,7 +76,8 @@ class AcceptanceEstimator:
         parent = tree.parents[node]
         parent_score = tree.scores[parent] if parent > 0 else 1.0
         local = tree.scores[node] / parent_score if parent_score > 0 else 0.0
-        confidence = min(int(max(local, 0.0) * 4), 3)
+        local = min(local, 1.0) if local > 0 else 0.0      # also NaN -> 0: a bad score must not end the step
+        confidence = min(int(local * 4), 3)
         return (tree.sources[node], min(depth, self.max_depth), min(rank, self.max_rank), confidence, tree.bucket)
 
     def rate(self, key: Key) -> float:

@@ -187,6 +187,8 @@ class Scheduler:
             self._active.clear()
             self._waiting.clear()
             self._inflight -= len(tickets)
-        for ticket in tickets:
-            self.batch.remove(ticket.stream)
-            ticket.sink("error", message)
+        try:
+            self.batch.clear()
+        finally:   # whatever happens to the batch, every caller hears why its request ended
+            for ticket in tickets:
+                ticket.sink("error", message)

@@ -70,8 +70,15 @@ class RecyclingMatrix:
         top = logits[: len(node_tokens)].topk(self.k, dim=-1)               # [T, k]
         probs = top.values.float().softmax(dim=-1)                          # renormalised over the top k
         rows = torch.tensor(node_tokens, dtype=torch.long)
+        # A row with NaN or infinite logits (a broken forward, an overflowing half-precision run) would give
+        # NaN probabilities that outlive the request: the matrix is shared and saved. Keep the old row.
+        finite = torch.isfinite(top.values).all(dim=-1).cpu()               # [T]
+        if not bool(finite.all()):
+            top_indices, probs, rows = top.indices[finite], probs[finite], rows[finite]
+        else:
+            top_indices = top.indices
         with self._lock:
-            self.tokens[rows] = top.indices.to(torch.int32).cpu()
+            self.tokens[rows] = top_indices.to(torch.int32).cpu()
             self.probs[rows] = probs.to(torch.float16).cpu()
             self.updates += 1
 
@@ -122,6 +129,8 @@ class RecyclingMatrix:
             out = cls(vocab_size, k)
             out.tokens = torch.from_numpy(tokens.astype(np.int32))
             out.probs = torch.from_numpy(probs.astype(np.float16))
+            broken = ~torch.isfinite(out.probs).all(dim=-1)                 # saved by an older, unguarded update
+            out.tokens[broken], out.probs[broken] = -1, 0.0
             out.updates = int(data["updates"])
         return out
 
