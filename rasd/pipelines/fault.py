@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rasd.pipelines.load import SAMPLE_QUESTIONS, ask_once, run_level
+from rasd.pipelines.load import SAMPLE_QUESTIONS, ask_fresh, run_level
 
 PHASES = ("shard", "verifier", "draft", "ingest")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -359,7 +359,7 @@ def reference_pass(cfg: FaultConfig) -> dict[str, dict[str, Any]]:
     ref = {r["question"]: r for r in level["rows"] if r["outcome"] == "ok"}
     for question in cfg.questions:       # one sequential retry for what the load itself turned away
         if question not in ref:
-            row = ask_once(cfg.url, cfg.api_key, question, cfg.params, cfg.request_timeout_s)
+            row = ask_fresh(cfg.url, cfg.api_key, question, cfg.params, cfg.request_timeout_s)
             if row["outcome"] == "ok":
                 ref[question] = row
     return ref
@@ -392,7 +392,7 @@ def probe(cfg: FaultConfig, reference: dict[str, dict[str, Any]], deadline: floa
     row: dict[str, Any] = {"outcome": "not_sent"}
     while time.monotonic() < deadline:
         timeout = min(cfg.request_timeout_s, max(deadline - time.monotonic(), 1.0))
-        row = ask_once(cfg.url, cfg.api_key, question, cfg.params, timeout)
+        row = ask_fresh(cfg.url, cfg.api_key, question, cfg.params, timeout)
         if row["outcome"] == "ok":
             ref = reference.get(question)
             row["same_as_reference"] = None if ref is None else (row["answer"] == ref["answer"]
