@@ -72,13 +72,11 @@ class RecyclingMatrix:
         rows = torch.tensor(node_tokens, dtype=torch.long)
         # A row with NaN or infinite logits (a broken forward, an overflowing half-precision run) would give
         # NaN probabilities that outlive the request: the matrix is shared and saved. Keep the old row.
-        finite = torch.isfinite(top.values).all(dim=-1).cpu()               # [T]
+        indices, finite = top.indices, torch.isfinite(top.values).all(dim=-1)     # [T, k], [T]
         if not bool(finite.all()):
-            top_indices, probs, rows = top.indices[finite], probs[finite], rows[finite]
-        else:
-            top_indices = top.indices
+            indices, probs, rows = indices[finite], probs[finite], rows[finite.cpu()]
         with self._lock:
-            self.tokens[rows] = top_indices.to(torch.int32).cpu()
+            self.tokens[rows] = indices.to(torch.int32).cpu()
             self.probs[rows] = probs.to(torch.float16).cpu()
             self.updates += 1
 
