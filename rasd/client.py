@@ -38,7 +38,7 @@ class ApiError(RuntimeError):
 class Completion:
     text: str
     finish_reason: str
-    usage: dict[str, int]
+    usage: dict[str, Any]           # OpenAI usage, with prompt_tokens_details.cached_tokens
     stats: dict[str, Any]
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
@@ -48,7 +48,7 @@ class DocAnswer:
     answer: str
     sources: list[dict[str, Any]]
     finish_reason: str
-    usage: dict[str, int]
+    usage: dict[str, Any]           # OpenAI usage, with prompt_tokens_details.cached_tokens
     stats: dict[str, Any]
 
 

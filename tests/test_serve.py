@@ -115,6 +115,9 @@ def test_docqa_equals_in_process_pipeline(service: dict[str, Any], local: Any) -
     assert streamed[0]["sources"][0]["title"] == "Bridges"
     assert "".join(e.get("delta", "") for e in streamed).strip() == ref.answer
     assert streamed[-1]["answer"] == ref.answer
+    # asked twice: the second prefill reused the first one's prompt blocks (all but the last 16-31 tokens)
+    prompt_tokens = streamed[-1]["usage"]["prompt_tokens"]
+    assert prompt_tokens - 32 < streamed[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] <= prompt_tokens - 16
 
 
 def test_concurrent_requests_share_the_batch_and_keep_their_outputs(service: dict[str, Any], local: Any) -> None:
@@ -209,7 +212,8 @@ def test_metrics_use_vllm_style_names(service: dict[str, Any]) -> None:
     text = service["client"].get("/metrics").text
     for name in ("rasd:spec_decode_num_drafts_total", "rasd:spec_decode_num_draft_tokens_total",
                  "rasd:spec_decode_num_accepted_tokens_total", "rasd:spec_decode_num_accepted_tokens_per_pos_total",
-                 "rasd:request_latency_seconds_bucket", "rasd:num_requests_running"):
+                 "rasd:request_latency_seconds_bucket", "rasd:num_requests_running",
+                 "rasd:prefix_cache_queries_total", "rasd:prefix_cache_hits_total"):
         assert name in text, name
 
 
@@ -237,6 +241,7 @@ def test_load_levels_report_throughput_and_latency(service: dict[str, Any]) -> N
     level.update(identical_to_in_process=1.0, vs_hf=2.0, vs_hf_e2e=2.5)
     table = format_load_table({"hf_tokens_per_s": 10.0, "hf_e2e_tokens_per_s": 8.0, "levels": [level]})
     assert "agg tok/s" in table and "2.00x" in table
+    assert 0 <= level["cached_prompt_tokens"] < level["prompt_tokens"] and "%" in table
 
 
 def test_load_level_counts_errors_and_rejections_without_retrying(service: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from rasd.decoding.control import CostAwareSizer
 from rasd.decoding.cost import CostCurve
 from rasd.decoding.engine import GenerationStream
 from rasd.decoding.kernels import fast_kernels
+from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict, accept_greedy, accept_sampling
 
@@ -230,9 +231,10 @@ class BatchDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, fast: bool = True, max_batch_tokens: int = 128, slots: int = 8,
-                 chunk_tokens: int = 0):
+                 chunk_tokens: int = 0, prefix_cache: PrefixCache | None = None):
         """`slots`: requests the cache makes room for up front (the scheduler's `max_batch`); `chunk_tokens`:
-        prompt tokens prefilled per step while others decode (0: a joining request prefills at once)."""
+        prompt tokens prefilled per step while others decode (0: a joining request prefills at once);
+        `prefix_cache`: reuse the K/V of prompt prefixes earlier requests computed (None: off)."""
         self.model = model
         self.fast = fast
         # Rows are padded to the largest tree, so one big tree makes every row pay for it: with several
@@ -245,6 +247,7 @@ class BatchDecoder:
         self.streams: list[GenerationStream] = []
         self.prefilling: deque[PrefillJob] = deque()
         self.chunk_tokens = chunk_tokens
+        self.prefix_cache = prefix_cache
         self.device = next(model.parameters()).device
 
     def __len__(self) -> int:
@@ -261,17 +264,21 @@ class BatchDecoder:
         if stream.decoder.model is not self.model:
             raise ValueError("a batch shares one target model: the stream was built for another")
         single = TreeCache.for_model(self.model)
+        cached = self.prefix_cache.fill(single, stream.prompt_ids) if self.prefix_cache is not None else 0
         if self.streams and self.chunk_tokens > 0 and self.fast and self.device.type == "cpu" \
                 and lean.supports(self.model):
             stream.start()
-            self.prefilling.append(PrefillJob(stream, single))
+            stream.stats.cached_prompt_tokens = cached
+            self.prefilling.append(PrefillJob(stream, single, done=cached))
             return None
         with fast_kernels(self.fast):
-            first = stream.begin(single)
+            first = stream.begin(single, cached)
         return self._joined(stream, single, first)
 
     def _joined(self, stream: GenerationStream, single: TreeCache, first: list[int]) -> list[int]:
         """A prefilled request enters the batch (unless its first token already ended it)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(stream.prompt_ids, single)
         if stream.reason is not None:
             stream.finish()
             return first

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rasd.decoding import lean
 from rasd.decoding.cache import TreeCache
 from rasd.decoding.control import CostAwareSizer, FixedSizer, Sizer, make_sizer
 from rasd.decoding.cost import context_bucket, load_or_measure
@@ -175,11 +176,18 @@ class GenerationStream:
         verdict, logits = verify(self.decoder.model, cache, tree, self.sampling, self.gen)
         return self.commit(tree, verdict, logits, draft_s, time.perf_counter() - t1)
 
-    def begin(self, cache: TreeCache) -> list[int]:
-        """Prefill into `cache` (one row) and return the first new token as a block."""
+    def begin(self, cache: TreeCache, cached: int = 0) -> list[int]:
+        """Prefill into `cache` (one row) and return the first new token as a block.
+
+        `cached`: the first prompt tokens whose K/V the cache already holds (a prefix-cache hit).
+        """
         self.start()
+        self.stats.cached_prompt_tokens = cached
         dec = self.decoder
-        ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=dec.device)
+        ids = torch.tensor([self.prompt_ids[cached:]], dtype=torch.long, device=dec.device)
+        if cached:   # the lean path runs the rest of the prompt as the same causal kernel (`lean._layer`)
+            pos = torch.arange(cached, len(self.prompt_ids), device=dec.device)[None]
+            return self.first_token(lean.forward(dec.model, cache, ids, pos, last_only=True)[0, -1])
         out = dec.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(dec.model, cache))
         return self.first_token(out.logits[0, -1])
 

@@ -86,18 +86,28 @@ def _decode(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
     hidden = F.embedding(input_ids, inner.embed_tokens.weight)           # [1, T, H]
     cos, sin = inner.rotary_emb.forward(hidden, position_ids)            # [1, T, D] each
     cos, sin = cos[:, None], sin[:, None]                                # broadcast over heads
-    causal = False
+    causal, pad = False, 0
     if mask is None and input_ids.shape[1] > 1:
-        mask = _prompt_mask(cache.get_seq_length(), input_ids.shape[1], hidden.dtype, hidden.device)
-        causal = mask is None
+        past = cache.get_seq_length()
+        if past < input_ids.shape[1]:       # the causal kernel, its queries padded over the cache (`_layer`)
+            causal, pad = True, past
+        else:
+            mask = _causal_mask(past, input_ids.shape[1], hidden.dtype, hidden.device)
     for layer, kv in zip(inner.layers, cache.layers, strict=False):
-        hidden = _layer(layer, kv, hidden, cos, sin, mask, causal)
+        hidden = _layer(layer, kv, hidden, cos, sin, mask, causal, pad)
     return hidden
 
 
 def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
-    """One decoder layer, as LlamaDecoderLayer computes it (`causal`: no cache before these tokens)."""
+           mask: torch.Tensor | None, causal: bool = False, pad: int = 0) -> torch.Tensor:
+    """One decoder layer, as LlamaDecoderLayer computes it.
+
+    `causal`: the new tokens attend causally to themselves and to all `pad` cached entries before them.
+    Why pad: the causal kernel aligns its triangle to the top left, so the queries get `pad` zero rows in
+    front (dropped afterwards). That runs the kernel on the same shapes as one prefill of the whole prompt,
+    skipping the masked half as it does, and gives the same bits for the new rows (a prefix-cache hit is
+    exact); an explicit mask would make every query visit every key.
+    """
     attn = layer.self_attn
     batch, length = hidden.shape[:2]
     x = _rms(hidden, layer.input_layernorm)
@@ -107,8 +117,10 @@ def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Ten
     v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     k, v = kv.update(k, v)                                               # [B, H_kv, past + T, D]
+    if pad:
+        q = torch.cat([q.new_zeros((*q.shape[:2], pad, q.shape[-1])), q], dim=2)   # [B, H, past + T, D]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=attn.scaling,
-                                       enable_gqa=True)
+                                       enable_gqa=True)[:, :, pad:]
     o = o.transpose(1, 2).reshape(batch, length, -1)                     # [B, T, H * D]
     return _mlp_block(layer, hidden + attn.o_proj.forward(o))
 

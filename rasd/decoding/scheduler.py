@@ -22,6 +22,7 @@ import torch
 from rasd.decoding.batch import BatchDecoder
 from rasd.decoding.compute import ComputeThread
 from rasd.decoding.engine import GenerationOutput, GenerationStream
+from rasd.decoding.prefix_cache import PrefixCache
 
 # A sink receives ("tokens", list[int]), then exactly one of ("done", GenerationOutput) or ("error", str).
 Sink = Callable[[str, Any], None]
@@ -45,10 +46,13 @@ class Scheduler:
     """Runs the batch step loop for all active requests as the worker of a `ComputeThread`."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int = 8, max_waiting: int = 16, fast: bool = True,
-                 threads: int | None = None, compute: ComputeThread | None = None, prefill_chunk: int = 0):
+                 threads: int | None = None, compute: ComputeThread | None = None, prefill_chunk: int = 0,
+                 prefix_cache: PrefixCache | None = None):
         """`compute`: the process's compute thread (a service's); without one the scheduler starts its own.
-        `prefill_chunk`: see `BatchDecoder` (0, the default: a joining request is prefilled at once)."""
-        self.batch = BatchDecoder(model, fast=fast, slots=max_batch, chunk_tokens=prefill_chunk)
+        `prefill_chunk`, `prefix_cache`: see `BatchDecoder` (by default a joining request is prefilled at
+        once, and no prefix is reused)."""
+        self.batch = BatchDecoder(model, fast=fast, slots=max_batch, chunk_tokens=prefill_chunk,
+                                  prefix_cache=prefix_cache)
         self.max_batch, self.max_waiting = max_batch, max_waiting
         self._owns_compute = compute is None
         self.compute = compute or ComputeThread(threads, name="rasd-scheduler")

@@ -16,6 +16,7 @@ class DecodeStats:
 
     method: str = ""
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0          # prompt tokens whose K/V came from the prefix cache
     new_tokens: int = 0
     steps: int = 0                         # verification forwards after prefill
     num_draft_tokens: int = 0              # draft nodes sent to verification (root excluded)

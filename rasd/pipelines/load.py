@@ -89,7 +89,9 @@ def ask_once(client: Any, question: str, params: dict[str, Any], timeout_s: floa
     start = time.perf_counter()
     try:
         answer = client.ask(question, **params)
+        details = answer.usage.get("prompt_tokens_details") or {}
         row.update(answer=answer.answer, completion_tokens=answer.usage.get("completion_tokens", 0),
+                   prompt_tokens=answer.usage.get("prompt_tokens", 0), cached_tokens=details.get("cached_tokens", 0),
                    mean_accepted_tokens=answer.stats.get("mean_accepted_tokens"),
                    sources=[[s.get("doc_id"), s.get("chunk_id")] for s in answer.sources])
     except ApiError as exc:
@@ -148,6 +150,9 @@ def run_level(url: str, api_key: str | None, questions: list[str], concurrency: 
             "rejected": outcomes["rejected"], "errors": outcomes["error"], "timeouts": outcomes["timeout"],
             "not_sent": outcomes["not_sent"], "wall_s": wall, "completion_tokens": tokens,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            # prompt tokens the service's prefix cache served (its system prompt, or a question seen before)
+            "prompt_tokens": sum(r["prompt_tokens"] for r in done),
+            "cached_prompt_tokens": sum(r["cached_tokens"] for r in done),
             "latency_p50_s": percentile(latencies, 0.5), "latency_p95_s": percentile(latencies, 0.95),
             "latency_p99_s": percentile(latencies, 0.99),
             "mean_accepted_tokens": (statistics.mean(r["mean_accepted_tokens"] or 1.0 for r in done)
@@ -221,17 +226,23 @@ def _num(value: float | None, spec: str, width: int) -> str:
     return f"{value:{width}{spec}}" if value is not None else f"{'-':>{width}}"
 
 
+def _cached(level: dict[str, Any]) -> str:
+    """The share of the level's prompt tokens that came from the prefix cache."""
+    prompt = level.get("prompt_tokens") or 0
+    return f"{100 * level.get('cached_prompt_tokens', 0) / prompt:>5.1f}%" if prompt else f"{'-':>6}"
+
+
 def format_load_table(summary: dict[str, Any]) -> str:
     lines = [f"hf greedy, one request at a time: {summary['hf_tokens_per_s']:.2f} tok/s decode, "
              f"{summary['hf_e2e_tokens_per_s']:.2f} tok/s with prefill",
              f"{'conc':>4} {'reqs':>4} {'ok':>3} {'rej':>3} {'err':>3} {'hung':>4} {'wall s':>7} {'agg tok/s':>9} "
-             f"{'vs hf':>6} {'vs hf e2e':>9} {'p50 s':>6} {'p99 s':>6} {'acc':>5} {'same':>5}"]
+             f"{'vs hf':>6} {'vs hf e2e':>9} {'p50 s':>6} {'p99 s':>6} {'acc':>5} {'same':>5} {'cached':>6}"]
     for lv in summary["levels"]:
         lines.append(f"{lv['concurrency']:>4} {lv['requests']:>4} {lv['completed']:>3} {lv['rejected']:>3} "
                      f"{lv['errors']:>3} {lv['timeouts']:>4} {lv['wall_s']:>7.1f} {lv['tokens_per_s']:>9.2f} "
                      f"{lv['vs_hf']:>5.2f}x {lv['vs_hf_e2e']:>8.2f}x {_num(lv['latency_p50_s'], '.1f', 6)} "
                      f"{_num(lv['latency_p99_s'], '.1f', 6)} {_num(lv['mean_accepted_tokens'], '.2f', 5)} "
-                     f"{_num(lv['identical_to_in_process'], '.2f', 5)}")
+                     f"{_num(lv['identical_to_in_process'], '.2f', 5)} {_cached(lv)}")
     return "\n".join(lines)
 
 

@@ -33,6 +33,11 @@ class ServiceMetrics:
         self.steps = Counter("rasd:decode_steps", "Verification forwards per request, summed", registry=r)
         self.generation_tokens = Counter("rasd:generation_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("rasd:prompt_tokens", "Prompt tokens processed", registry=r)
+        # vLLM's names: prompt tokens looked up in the prefix cache, and those found there
+        self.prefix_queries = Counter("rasd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("rasd:prefix_cache_hits", "Prompt tokens whose K/V came from the prefix cache",
+                                   registry=r)
         self.requests = Counter("rasd:requests", "Finished requests by endpoint and outcome",
                                 ["endpoint", "outcome"], registry=r)
         self.latency = Histogram("rasd:request_latency_seconds", "End-to-end request latency", ["endpoint"],
@@ -54,6 +59,8 @@ class ServiceMetrics:
         self.steps.inc(stats.steps)
         self.generation_tokens.inc(stats.new_tokens)
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.prefix_queries.inc(stats.prompt_tokens)
+        self.prefix_hits.inc(stats.cached_prompt_tokens)
         self.requests.labels(endpoint=endpoint, outcome="ok").inc()
         self.latency.labels(endpoint=endpoint).observe(latency_s)
 

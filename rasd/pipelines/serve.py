@@ -64,6 +64,11 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     return JSONResponse(error_body(message, "invalid_request_error", param, 400), status_code=400)
 
 
+def _usage(prompt_tokens: int, output: Any) -> dict[str, Any]:
+    """OpenAI `usage` of a finished request, with the prompt tokens the prefix cache served."""
+    return usage(prompt_tokens, len(output.token_ids), output.stats.cached_prompt_tokens)
+
+
 def _stats_view(output: Any) -> dict[str, Any]:
     """The speculative statistics a response carries (the per-step lists are left out)."""
     stats = output.stats.to_dict()
@@ -186,7 +191,7 @@ class RasdServer:
         self.service.metrics.record("docqa", output.stats, time.perf_counter() - start)
         return {"id": new_id("docqa"), "object": "docqa.answer", "model": self.config.model_name,
                 "answer": (output.text or "").strip(), "finish_reason": FINISH_REASONS[output.finish_reason],
-                "sources": [asdict(s) for s in sources], "usage": usage(len(ids), len(output.token_ids)),
+                "sources": [asdict(s) for s in sources], "usage": _usage(len(ids), output),
                 "rasd": _docqa_stats(output), "plain_decoding": _plain_view(output.plain_step_s)}
 
     @api.post("/v1/documents")
@@ -206,7 +211,7 @@ class RasdServer:
         self.service.metrics.record(endpoint, output.stats, time.perf_counter() - start)
         return completion_body(new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, output.text or "",
                                FINISH_REASONS[output.finish_reason], chat,
-                               usage=usage(len(prepared.prompt_ids), len(output.token_ids)),
+                               usage=_usage(len(prepared.prompt_ids), output),
                                rasd=_stats_view(output))
 
     async def _sse(self, endpoint: str, prepared: Prepared, chat: bool) -> AsyncIterator[str]:
@@ -223,7 +228,7 @@ class RasdServer:
                     continue
                 rest = text.finish(payload.text or "")
                 yield sse(chunk_body(rid, model, rest, FINISH_REASONS[payload.finish_reason], chat,
-                                     usage=usage(len(prepared.prompt_ids), len(payload.token_ids)),
+                                     usage=_usage(len(prepared.prompt_ids), payload),
                                      rasd=_stats_view(payload)))
                 self.service.metrics.record(endpoint, payload.stats, time.perf_counter() - start)
         except ApiError as exc:
@@ -255,7 +260,7 @@ class RasdServer:
                 self.service.metrics.record("docqa", payload.stats, time.perf_counter() - start)
                 yield sse({"answer": (payload.text or "").strip(),
                            "finish_reason": FINISH_REASONS[payload.finish_reason],
-                           "usage": usage(len(prepared.prompt_ids), len(payload.token_ids)),
+                           "usage": _usage(len(prepared.prompt_ids), payload),
                            "rasd": _docqa_stats(payload), "accept_lengths": list(payload.stats.accept_lengths),
                            "plain_decoding": _plain_view(payload.plain_step_s)})
         except ApiError as exc:
@@ -293,6 +298,7 @@ def config_from_args(args: Any) -> dict[str, Any]:
     return {"model": args.model, "index": index, "draft_model": args.draft_model, "device": args.device,
             "dtype": args.dtype, "method": args.method, "docqa_method": args.docqa_method,
             "max_batch": args.max_batch, "prefill_chunk": getattr(args, "prefill_chunk", 0),
+            "prefix_cache_mb": getattr(args, "prefix_cache_mb", 256),
             "max_waiting": args.max_waiting, "max_tokens_limit": args.max_tokens_limit,
             "api_key": args.api_key, "threads": args.threads or default_threads(),
             "retrieval_shards": getattr(args, "retrieval_shards", 0), **draft_worker_config(args),

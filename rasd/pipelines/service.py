@@ -24,6 +24,7 @@ from rasd.decoding.compute import ComputeThread
 from rasd.decoding.control import CostAwareSizer
 from rasd.decoding.engine import GenerationOutput, build_decoder, vocab_size
 from rasd.decoding.kernels import install
+from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.proposers import METHODS, RecyclingMatrix
 from rasd.decoding.proposers.recycling import matrix_path
 from rasd.decoding.sampling import SamplingParams
@@ -50,6 +51,7 @@ class ServeConfig:
     docqa_method: str = "rasd"            # default for /v1/docqa
     max_batch: int = 8                    # requests decoded together (one shared forward per step)
     prefill_chunk: int = 0                # > 0: a joining request is prefilled this many tokens per step
+    prefix_cache_mb: int = 256            # K/V of prompt prefixes kept for later requests (0: off)
     max_waiting: int = 16                 # queued beyond the batch; more gets 429
     max_tokens_limit: int = 1024          # the largest max_tokens a request may ask for
     max_prompt_tokens: int | None = None  # default: the model's context minus room for one token
@@ -125,8 +127,9 @@ class Service:
         config = self.config
         self.draft = load_draft(config.draft_model, self.target)
         self.drafts = self._start_draft_workers() if config.draft_workers > 0 else None
+        prefix = PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb > 0 else None
         self.scheduler = Scheduler(self.target.model, max_batch=config.max_batch, max_waiting=config.max_waiting,
-                                   compute=self.compute, prefill_chunk=config.prefill_chunk)
+                                   compute=self.compute, prefill_chunk=config.prefill_chunk, prefix_cache=prefix)
         # Token Recycling's matrix is shared by every request (hot start) and outlives the process on disk.
         self.recycling_path = matrix_path(self.target.name)
         self.recycling = RecyclingMatrix.load_or_new(self.recycling_path, vocab_size(self.target.model))
