@@ -298,10 +298,13 @@ class BatchDecoder:
 
         Why not `remove` each: after a step failed half-way (a proposer bug, out of memory) the rows'
         cache entries may not match their streams any more; a fresh cache is the only state known good.
+        The prefix cache is emptied too: a failure inside its store may have left a half-written block.
         """
         self.streams = []
         self.prefilling.clear()
         self.cache = BatchCache.for_model(self.model, self.slots)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     @torch.inference_mode()
     def step(self) -> list[tuple[GenerationStream, list[int]]]:
