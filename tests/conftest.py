@@ -7,8 +7,10 @@ Real-model tests keep torch's default threads (cost curves are cached per thread
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from functools import cache, lru_cache
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,6 +130,36 @@ def pooled_homogeneity(a: np.ndarray, b: np.ndarray, min_count: float = 10.0) ->
     table = table[:, table.sum(0) > 0]
     assert table.shape[1] >= 2, "need at least two cells for a χ² test"
     return float(chi2_contingency(table, correction=False).pvalue)
+
+
+# Read-mostly parts of $RASD_HOME that are expensive to build (the converted embedded model, sample and
+# benchmark indexes, trained exit layers, cached self-generations): linked from the real home, built once.
+SHARED_HOME_PARTS = ("models", "indexes", "bench-indexes", "eesd", "ldlp", "selfgen")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rasd_home_for_tests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A session-scoped $RASD_HOME, so that what tests learn stays out of the developer's home.
+
+    Why: the Token Recycling matrix and the cost curves are written back to $RASD_HOME, and `rasd serve`
+    hot-starts from them; tests (random prompts, tiny models) would otherwise leave their matrix and a cost
+    curve per temporary model there. Set in os.environ, so Ray workers and CLI subprocesses inherit it.
+    """
+    from rasd.decoding.models import rasd_home
+
+    real, before = rasd_home(), os.environ.get("RASD_HOME")
+    home = tmp_path_factory.mktemp("rasd_home")
+    for part in SHARED_HOME_PARTS:
+        (real / part).mkdir(parents=True, exist_ok=True)
+        (home / part).symlink_to(real / part, target_is_directory=True)
+    os.environ["RASD_HOME"] = str(home)
+    try:
+        yield home
+    finally:
+        if before is None:
+            os.environ.pop("RASD_HOME", None)
+        else:
+            os.environ["RASD_HOME"] = before
 
 
 @pytest.fixture(scope="session")
