@@ -113,3 +113,31 @@ def test_console_script_exit_status(tiny_model_dir: Path) -> None:
     assert proc.returncode == 2
     expected = f"rasd: error: unknown method 'bogus'; choose one of {', '.join(METHODS)}"
     assert proc.stderr.strip().splitlines() == [expected]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--prefix-cache-mb", "-1"], "prefix-cache-mb must be >= 0 (got -1)"),
+    (["--max-batch", "0"], "max-batch must be >= 1 (got 0)"),
+    (["--max-waiting", "-2"], "max-waiting must be >= 0 (got -2)"),
+])
+def test_serve_limits_out_of_range_give_one_line_error_before_ray_starts(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], message: str) -> None:
+    import ray
+
+    def no_ray(*_: object, **__: object) -> None:
+        raise AssertionError("Ray must not start for a bad limit")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    code, out, err = run_cli(capsys, "serve", *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err and err.startswith("rasd: error:")
+
+
+def test_serve_config_checks_its_limits() -> None:
+    from rasd.pipelines.serve import check_config
+
+    check_config({"max_batch": 8, "prefix_cache_mb": 0})
+    with pytest.raises(ValueError, match="prefix_cache_mb must be >= 0"):
+        check_config({"prefix_cache_mb": -5})
+    with pytest.raises(ValueError, match="unknown serve config keys: modle"):
+        check_config({"modle": "default"})

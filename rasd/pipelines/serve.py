@@ -271,13 +271,25 @@ class RasdServer:
 # ---------------------------------------------------------------------------------------------- builder
 
 
-def build_app(args: dict[str, Any] | None = None) -> Any:
-    """The Serve application for a config dict (`serve run serve_config.yaml` calls this with its `args`)."""
-    known = {f.name for f in fields(ServeConfig)}
-    args = dict(args or {})
-    unknown = sorted(set(args) - known)
+# The smallest value each numeric limit may take (a replica given less would fail while starting).
+CONFIG_MINIMUMS = {"max_batch": 1, "max_waiting": 0, "max_tokens_limit": 1, "prefill_chunk": 0,
+                   "prefix_cache_mb": 0, "retrieval_shards": 0, "draft_workers": 0}
+
+
+def check_config(args: dict[str, Any]) -> None:
+    """Raise ValueError for unknown keys or out-of-range limits, before any Ray process starts."""
+    unknown = sorted(set(args) - {f.name for f in fields(ServeConfig)})
     if unknown:
         raise ValueError(f"unknown serve config keys: {', '.join(unknown)}")
+    for key, low in CONFIG_MINIMUMS.items():
+        if args.get(key) is not None and int(args[key]) < low:
+            raise ValueError(f"{key} must be >= {low} (got {args[key]})")
+
+
+def build_app(args: dict[str, Any] | None = None) -> Any:
+    """The Serve application for a config dict (`serve run serve_config.yaml` calls this with its `args`)."""
+    args = dict(args or {})
+    check_config(args)
     args.setdefault("threads", default_threads())
     threads = int(args["threads"])
     # the replica gets as many CPUs as it runs threads (Ray would otherwise pin it to one, OMP_NUM_THREADS=1);
@@ -385,6 +397,10 @@ def run_serve(args: Any) -> int:
     if args.index and args.index != "sample" and not os.path.isdir(args.index):
         raise CliError(f"index folder not found: {args.index}")
     config = config_from_args(args)
+    try:
+        check_config(config)
+    except ValueError as exc:
+        raise CliError(str(exc).replace("_", "-")) from exc
     if args.detach and not args.address:
         ensure_local_cluster()
         address: str | None = "auto"
