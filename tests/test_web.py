@@ -135,6 +135,10 @@ def test_streamed_answer_coloured_by_source_matches_the_api_stats(page: Any, tmp
     assert any(s in legend for s in ("documents", "datastore", "context")), "nothing was drafted from retrieval"
     print(f"{stats['new_tokens']} tokens, {stats['steps']} steps, legend {legend}, accepted {accepted}")
     assert page.get_attribute("#legend-check", "data-match") == "true"
+    usage = final["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    status = f"prompt {usage['prompt_tokens']} tokens ({cached} from the prefix cache)"
+    assert status in page.inner_text("#status")
 
     # one bar per verification step, as long as the block that step committed
     bars = page.eval_on_selector_all("#chart rect.step", "els => els.map(e => +e.dataset.length)")

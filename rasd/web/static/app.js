@@ -258,7 +258,8 @@ function onFinal(final) {
   const r = final.rasd;
   $("status").textContent = `done (${final.finish_reason}): ${final.usage.completion_tokens} tokens in ` +
     `${r.total_time_s.toFixed(2)} s, ${r.steps} steps, mean accepted ${r.mean_accepted_tokens.toFixed(2)}, ` +
-    `method ${r.method}`;
+    `method ${r.method}, prompt ${final.usage.prompt_tokens} tokens ` +
+    `(${(final.usage.prompt_tokens_details || {}).cached_tokens || 0} from the prefix cache)`;
 }
 
 async function ask(ev) {
