@@ -100,6 +100,27 @@ def test_chat_completion_shape_and_stream(service: dict[str, Any]) -> None:
     assert text == data["choices"][0]["message"]["content"]
 
 
+def test_a_chats_next_turn_reuses_the_previous_prompt(service: dict[str, Any], local: Any) -> None:
+    """The second turn resends the first turn's prompt: its whole blocks come from the prefix cache, and the
+    answer still equals the in-process engine's greedy output for the whole conversation."""
+    target, _ = local
+    first = [{"role": "system", "content": "You are a terse assistant. Answer in one short sentence."},
+             {"role": "user", "content": "Which gas do plants take in from the air to make sugar?"}]
+    body = {"max_tokens": 16, "temperature": 0, "method": "pld"}
+    r1 = service["client"].post("/v1/chat/completions", json={"messages": first, **body}).json()
+    second = first + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": "And which gas do they give off?"}]
+    r2 = service["client"].post("/v1/chat/completions", json={"messages": second, **body}).json()
+    whole_blocks = r1["usage"]["prompt_tokens"] // 16 * 16
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= whole_blocks > 0
+    ids = target.tokenizer.apply_chat_template(second, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    from rasd.decoding.engine import build_decoder
+
+    ref = build_decoder(target, "ar").generate(list(ids), 16, eos_token_ids=target.eos_token_ids)
+    assert r2["choices"][0]["message"]["content"] == (ref.text or "")
+
+
 def test_docqa_equals_in_process_pipeline(service: dict[str, Any], local: Any) -> None:
     from rasd.client import Client
     from rasd.pipelines.docqa import DocQA
