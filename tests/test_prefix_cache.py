@@ -192,3 +192,20 @@ def test_embedded_model_docqa_batch_with_prefix_cache_equals_hf_greedy(loaded: A
     for stream in streams:
         assert_greedy_equal(model, stream.prompt_ids, stream.output.token_ids,
                             hf_greedy(model, stream.prompt_ids, 32))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_seeded_sampling_after_a_prefix_hit_equals_the_request_alone() -> None:
+    from rasd.decoding.sampling import SamplingParams
+
+    model = tiny_llama(0)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    head = random_prompt(40, 30)
+    prompt = head + random_prompt(12, 31)
+    alone = decoder(model, "pld").generate(prompt, 20, sampling=sampled).token_ids
+    batch = BatchDecoder(model, prefix_cache=PrefixCache(max_bytes=1 << 30, block_tokens=BLOCK, min_suffix=4))
+    streams = [decoder(model, "pld").stream(head + random_prompt(9, 32), 20),
+               decoder(model, "pld").stream(prompt, 20, sampling=sampled)]
+    run_batch(batch, streams)
+    assert streams[1].output.stats.cached_prompt_tokens == 40
+    assert streams[1].output.token_ids == alone
