@@ -15,6 +15,7 @@ Any other error raises `ApiError` with the service's message.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("command", choices=["ask"])
     p.add_argument("question")
     p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=os.environ.get("RASD_API_KEY"), help="default: $RASD_API_KEY")
     p.add_argument("--max-tokens", type=int, default=160)
     args = p.parse_args(argv)
     with Client(args.url, api_key=args.api_key, retries=5) as client:

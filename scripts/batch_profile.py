@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
+from rasd.apps.docqa import RETRIEVAL_METHODS, Source, fit_sources, open_index, scope_proposer
 from rasd.decoding.batch import BatchDecoder
 from rasd.decoding.engine import build_decoder, vocab_size
-from rasd.decoding.models import load_model
+from rasd.decoding.model_loading import load_model
 from rasd.decoding.proposers.recycling import RecyclingMatrix
-from rasd.pipelines.docqa import RETRIEVAL_METHODS, Source, fit_sources, open_index, scope_proposer
-from rasd.pipelines.load import SAMPLE_QUESTIONS
+from rasd.eval.load import SAMPLE_QUESTIONS
 
 
 def streams_for(target: Any, index: Any, method: str, requests: int, max_tokens: int) -> list[Any]:

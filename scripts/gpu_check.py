@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from rasd.decoding.control import FixedSizer
-from rasd.decoding.cost import measure_curve
 from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
+from rasd.decoding.sizing.cost import measure_curve
+from rasd.decoding.sizing.sizers import FixedSizer
 
 
 def tiny_llama(seed: int, vocab: int, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -65,9 +65,9 @@ def tiny_proposer(method: str, target: torch.nn.Module, draft: torch.nn.Module, 
                   files: Path):
     """The proposer for one method on a tiny model: datastores, recycling matrix and self-draft weights built
     here (random exit layer and LDLP: losslessness does not depend on how good a drafter is)."""
-    from rasd.decoding.ldlp import LengthPredictor
     from rasd.decoding.proposers.early_exit import new_exit_layer, save_exit_layer
     from rasd.decoding.proposers.recycling import RecyclingMatrix
+    from rasd.decoding.sizing.ldlp import LengthPredictor
     from rasd.index.suffix_array import SuffixArray
 
     vocab = target.config.vocab_size
@@ -126,8 +126,8 @@ def check_real(device: str, dtype: str, prompts: list[str], methods: list[str]) 
 
     One decoder per method across the prompts, as the service keeps one (recycling's matrix warms up)."""
     from rasd.decoding.engine import build_decoder
-    from rasd.decoding.models import load_model
-    from rasd.pipelines.bench import encode_prompt
+    from rasd.decoding.model_loading import load_model
+    from rasd.text import encode_prompt
 
     target = load_model("default", device=device, dtype=dtype)
     runs: list[dict] = []

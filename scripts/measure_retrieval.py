@@ -21,7 +21,7 @@ from typing import Any
 
 from rasd.decoding.engine import build_decoder
 from rasd.decoding.fusion import PruneConfig
-from rasd.decoding.models import load_model
+from rasd.decoding.model_loading import load_model
 from rasd.index.suffix_array import SuffixArray
 
 DATA = Path(__file__).parents[1] / "../shared/data/longbench/longbench_dev.jsonl"

@@ -1,4 +1,4 @@
-"""Print a `rasd bench` results.json as a Markdown table (what the README quotes).
+"""Print a `rasd bench` results.json as a Markdown table (what docs/benchmarks.md quotes).
 
     python scripts/results_table.py results.json [--method pld] [--baseline hf]
 

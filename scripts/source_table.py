@@ -1,4 +1,4 @@
-"""Per-category accepted tokens by source, from a `rasd bench --answers` JSONL (what the README quotes).
+"""Per-category accepted tokens by source, from a `rasd bench --answers` JSONL (what docs/benchmarks.md quotes).
 
     python scripts/source_table.py answers.jsonl[.gz] [--method rasd]
 

@@ -73,7 +73,7 @@ def assert_greedy_equal(model: torch.nn.Module, prompt: Sequence[int], ours: Seq
                         ref: Sequence[int], label: str = "") -> None:
     """Token-for-token equality; a difference passes only at a genuine near-tie of the reference.
 
-    DESIGN.md: a batched/tree forward sums in another order (~1e-7), which can flip an argmax only when the
+    docs/architecture.md: a batched/tree forward sums in another order (~1e-7), which can flip an argmax only when the
     reference's top-2 logits are within 1e-4; anything else is a bug. After such a flip the sequences
     legitimately diverge, so only the first difference is judged.
     """
@@ -145,7 +145,7 @@ def rasd_home_for_tests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
     hot-starts from them; tests (random prompts, tiny models) would otherwise leave their matrix and a cost
     curve per temporary model there. Set in os.environ, so Ray workers and CLI subprocesses inherit it.
     """
-    from rasd.decoding.models import rasd_home
+    from rasd.decoding.model_loading import rasd_home
 
     real, before = rasd_home(), os.environ.get("RASD_HOME")
     home = tmp_path_factory.mktemp("rasd_home")
@@ -174,7 +174,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     from ray import serve
 
     from rasd.index import Document, build_index
-    from rasd.pipelines.serve import build_app
+    from rasd.serve.app import build_app
     from tests.serve_helpers import DOCS, KEY, free_port
 
     index = tmp_path_factory.mktemp("serve") / "index"

@@ -16,11 +16,11 @@ import torch
 
 from rasd.decoding.batch import BatchCache, BatchDecoder, batch_inputs
 from rasd.decoding.cache import TreeCache
-from rasd.decoding.control import FixedSizer
 from rasd.decoding.engine import GenerationStream, SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.scheduler import Overloaded, Scheduler
+from rasd.decoding.sizing.sizers import FixedSizer
 from rasd.decoding.tree import DraftTree
 from tests.conftest import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
@@ -305,9 +305,9 @@ def test_scheduler_refuses_beyond_its_queue_and_drops_cancelled_requests() -> No
 
 
 def test_a_warm_started_sizer_continues_from_what_the_last_request_learned() -> None:
-    from rasd.decoding.control import CostAwareSizer
-    from rasd.decoding.cost import CostCurve
-    from rasd.pipelines.service import sizer_state, warm_start
+    from rasd.decoding.sizing.cost import CostCurve
+    from rasd.decoding.sizing.sizers import CostAwareSizer
+    from rasd.serve.service import sizer_state, warm_start
 
     def curve(_: int) -> CostCurve:
         return CostCurve(key="k", context_len=256, sizes=[1, 64], latency_s=[0.05, 0.2])

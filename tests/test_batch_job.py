@@ -1,4 +1,4 @@
-"""Batch document QA with Ray Data (`rasd.pipelines.batch`): inputs, atomic parts, resume, equality with the
+"""Batch document QA with Ray Data (`rasd.apps.batch_job`): inputs, atomic parts, resume, equality with the
 in-process pipeline, and `ray start --head` + `ray job submit` end to end.
 
 Ray runs locally only: `ray.init(address="local")` in this process, or a head started by the test in its own
@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rasd.pipelines import batch
-from rasd.pipelines.batch import BatchError, done_ids, main, part_files, read_questions, write_part
+from rasd.apps import batch_job as batch
+from rasd.apps.batch_job import BatchError, done_ids, main, part_files, read_questions, write_part
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -171,7 +171,7 @@ def local_ray() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def sample_index() -> str:
-    from rasd.pipelines.sample import ensure_sample_index
+    from rasd.apps.sample_corpus import ensure_sample_index
 
     return str(ensure_sample_index("default"))
 
@@ -179,9 +179,9 @@ def sample_index() -> str:
 @pytest.mark.slow
 def test_batch_answers_equal_in_process_docqa_and_resume_skips_done_rows(tmp_path: Path, local_ray: None,
                                                                          sample_index: str) -> None:
-    from rasd.decoding.models import load_model
+    from rasd.apps.docqa import DocQA
+    from rasd.decoding.model_loading import load_model
     from rasd.index.store import Index
-    from rasd.pipelines.docqa import DocQA
 
     out = tmp_path / "answers"
     first = batch.run_batch(write_jsonl(tmp_path / "q1.jsonl", QUESTIONS[:1]), out, "sample",
@@ -304,7 +304,7 @@ def test_ray_job_submit_runs_the_batch_pipeline(tmp_path: Path, sample_index: st
     q = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[:1])
     out = tmp_path / "answers"
     cmd = [ray_head["ray"], "job", "submit", "--address", ray_head["url"], "--working-dir", str(REPO), "--",
-           sys.executable, "-m", "rasd.pipelines.batch", "--input", str(q), "--output", str(out),
+           sys.executable, "-m", "rasd.apps.batch_job", "--input", str(q), "--output", str(out),
            "--index", sample_index, "--max-tokens", "8", "--top-k", "1", "--no-progress"]
     # without the token the job API refuses (token auth is on and stays on)
     no_token = {k: v for k, v in ray_head["env"].items() if not k.startswith("RAY_AUTH")}

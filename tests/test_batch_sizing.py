@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.batch_sizing import BatchCostModel, BatchSizer, plan_row
-from rasd.decoding.control import CostAwareSizer, FixedSizer
-from rasd.decoding.cost import CostCurve
 from rasd.decoding.engine import GenerationStream, SpeculativeDecoder, vocab_size
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.proposers.recycling import RecyclingMatrix
+from rasd.decoding.sizing.batch import BatchCostModel, BatchSizer, plan_row
+from rasd.decoding.sizing.cost import CostCurve
+from rasd.decoding.sizing.sizers import CostAwareSizer, FixedSizer
 from rasd.decoding.tree import DraftTree
 from tests.conftest import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 

@@ -13,26 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from rasd.pipelines import bench
-from rasd.pipelines.bench import (
-    BenchConfig,
-    BenchItem,
-    RunRecord,
-    SamplingConfig,
-    aggregate,
-    as_id_list,
-    build_results,
-    fit_prompt,
-    format_table,
-    load_items,
-    match_rate,
-    parse_methods,
-    parse_record,
-    plot_speedups,
-    prepare_prompts,
-    rotated,
-    summarize_group,
-)
+from rasd.eval import bench, runners
+from rasd.eval.aggregate import aggregate, build_results, match_rate, summarize_group
+from rasd.eval.bench import BenchConfig, parse_methods
+from rasd.eval.bench_output import format_table, plot_speedups, write_answers
+from rasd.eval.datasets import BenchItem, BenchPrompt, fit_prompt, load_items, parse_record, prepare_prompts
+from rasd.eval.runners import RunRecord, SamplingConfig, rotated
+from rasd.text import as_id_list, encode_prompt
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SPEC_BENCH = DATA / "spec_bench" / "question.jsonl"
@@ -90,7 +77,7 @@ def tiny_target(tiny_tokenizer):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rasd.decoding.models import LoadedModel
+    from rasd.decoding.model_loading import LoadedModel
 
     tok = tiny_tokenizer
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -164,7 +151,7 @@ def test_fit_prompt_cuts_the_context_from_the_left_and_keeps_both_ends(tiny_toke
     context = " ".join(f"The quick brown fox number {i} jumps." for i in range(60))
     text = f"Answer the question based on the passages.\n\n{context}\n\nQuestion: what is the capital?"
     item = BenchItem("q", "qa", text, context)
-    full = bench.encode_prompt(tiny_tokenizer, text)
+    full = encode_prompt(tiny_tokenizer, text)
     budget = len(full) // 3
     prompt = fit_prompt(item, tiny_tokenizer, budget)
     assert prompt is not None and len(prompt.input_ids) <= budget
@@ -274,7 +261,7 @@ def test_results_schema():
 
 
 def test_hf_record_counts_only_forwards_after_the_first_token():
-    rec = bench._hf_record("hf-pld", [5, 6, 7, 8, 9, 2], [2], first_token_time=11.0, chunks=[2, 1, 3],
+    rec = runners._hf_record("hf-pld", [5, 6, 7, 8, 9, 2], [2], first_token_time=11.0, chunks=[2, 1, 3],
                            start=10.0, end=13.0)
     assert rec.decode_tokens == 4 and rec.decode_time_s == pytest.approx(2.0)
     assert rec.prefill_time_s == pytest.approx(1.0) and rec.total_time_s == pytest.approx(3.0)
@@ -297,15 +284,16 @@ class FakeRunner:
 
 
 def test_run_loop_prepares_warms_up_then_interleaves_methods():
-    from rasd.pipelines.bench import BenchPrompt, run_prompts
+    from rasd.eval.datasets import BenchPrompt
+    from rasd.eval.runners import run_prompts
 
     log: list[tuple] = []
-    runners = [FakeRunner("a", log), FakeRunner("b", log)]
+    fakes = [FakeRunner("a", log), FakeRunner("b", log)]
     prompts = [BenchPrompt(i, BenchItem(f"q{i}", "qa", "x"), [i, i]) for i in range(3)]
-    records = run_prompts(runners, prompts, 32, SamplingConfig(temperature=0.5, seed=10), progress=False)
+    records = run_prompts(fakes, prompts, 32, SamplingConfig(temperature=0.5, seed=10), progress=False)
     assert log[:2] == [("prepare", "a", 3, 32), ("prepare", "b", 3, 32)]
-    assert log[2:4] == [("run", "a", (0, 0), bench.WARMUP_MAX_NEW_TOKENS, 10),
-                        ("run", "b", (0, 0), bench.WARMUP_MAX_NEW_TOKENS, 10)]
+    assert log[2:4] == [("run", "a", (0, 0), runners.WARMUP_MAX_NEW_TOKENS, 10),
+                        ("run", "b", (0, 0), runners.WARMUP_MAX_NEW_TOKENS, 10)]
     timed = [(e[1], e[2][0], e[4]) for e in log[4:]]
     assert timed == [("a", 0, 10), ("b", 0, 10), ("b", 1, 11), ("a", 1, 11), ("a", 2, 12), ("b", 2, 12)]
     assert [(r.method, r.index, r.question_id) for r in records[:2]] == [("a", 0, "q0"), ("b", 0, "q0")]
@@ -313,9 +301,9 @@ def test_run_loop_prepares_warms_up_then_interleaves_methods():
 
 def test_engine_runner_prepare_touches_every_context_length():
     seen: list[int] = []
-    runner = object.__new__(bench.EngineRunner)
+    runner = object.__new__(runners.EngineRunner)
     runner.decoder = type("D", (), {"sizer": type("S", (), {"curve_for": staticmethod(seen.append)})()})()
-    runner.prepare([bench.BenchPrompt(0, BenchItem(1, "qa", "x"), [7] * 5)], 3)
+    runner.prepare([BenchPrompt(0, BenchItem(1, "qa", "x"), [7] * 5)], 3)
     assert seen == [5, 6, 7, 8]
 
 
@@ -371,7 +359,7 @@ def test_end_to_end_hf_baselines_on_a_tiny_llama(tiny_target, tmp_path):
     assert results["methods"]["hf-pld"]["greedy_match_rate"] == 1.0
     assert results["methods"]["hf"]["mean_accepted_tokens"] == 1.0
     assert set(results["methods"]["hf"]["per_category"]) == {"qa", "rag"}
-    bench.write_answers(tmp_path / "answers.jsonl", records, tiny_target.tokenizer, "tiny")
+    write_answers(tmp_path / "answers.jsonl", records, tiny_target.tokenizer, "tiny")
     rows = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     assert {r["method"] for r in rows} == {"hf", "hf-pld"}
     assert all(len(r["token_ids"]) == r["new_tokens"] == r["choices"][0]["new_tokens"][0] for r in rows)

@@ -134,7 +134,7 @@ def test_serve_limits_out_of_range_give_one_line_error_before_ray_starts(
 
 
 def test_serve_config_checks_its_limits() -> None:
-    from rasd.pipelines.serve import check_config
+    from rasd.serve.app import check_config
 
     check_config({"max_batch": 8, "prefix_cache_mb": 0})
     with pytest.raises(ValueError, match="prefix_cache_mb must be >= 0"):

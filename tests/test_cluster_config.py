@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rasd.pipelines.batch import RETRIEVAL_RESOURCE, VERIFIER_RESOURCE
+from rasd.apps.batch_job import RETRIEVAL_RESOURCE, VERIFIER_RESOURCE
 
 REPO = Path(__file__).resolve().parents[1]
 

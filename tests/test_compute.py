@@ -105,8 +105,8 @@ def test_a_service_runs_all_its_torch_work_on_its_compute_thread(tmp_path: Path)
     """Decoding, query embedding and document ingest of a real service: every forward on one thread."""
     from rasd.index import Document, build_index
     from rasd.index.embed import load_embedder
-    from rasd.pipelines.openai_api import DocQARequest
-    from rasd.pipelines.service import ServeConfig, Service
+    from rasd.serve.openai import DocQARequest
+    from rasd.serve.service import ServeConfig, Service
     from tests.serve_helpers import DOCS, QUESTION
 
     index = tmp_path / "index"

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from rasd.decoding.control import (
+from rasd.decoding.engine import build_decoder
+from rasd.decoding.sizing.cost import CostCurve
+from rasd.decoding.sizing.sizers import (
     SIZINGS,
     CostAwareSizer,
     FixedSizer,
@@ -21,8 +23,6 @@ from rasd.decoding.control import (
     ended_at_leaf,
     make_sizer,
 )
-from rasd.decoding.cost import CostCurve
-from rasd.decoding.engine import build_decoder
 from rasd.decoding.tree import DraftTree
 from tests.conftest import assert_greedy_equal, hf_greedy, tiny_llama
 from tests.test_engine_greedy import check_stats, cpu_like_curve, flat_curve, make_decoder, prompt_of
@@ -261,7 +261,7 @@ def test_cli_offers_every_sizing_and_refuses_ldlp_before_loading(capsys: pytest.
 
 
 def h200_like_curve(context_len: int) -> CostCurve:
-    """The H200's measured verify curve (README, "On a GPU"): flat, 64 tokens cost 4% more than one."""
+    """The H200's measured verify curve (docs/lab-notes/gpu.md): flat, 64 tokens cost 4% more than one."""
     sizes = [1, 2, 4, 8, 16, 32, 64]
     return CostCurve(key="h200", context_len=256, sizes=sizes,
                      latency_s=[0.02525] * 4 + [0.02570, 0.02570, 0.02626])

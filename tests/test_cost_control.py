@@ -7,9 +7,16 @@ from pathlib import Path
 
 import pytest
 
-import rasd.decoding.cost as cost_mod
-from rasd.decoding.control import AcceptanceEstimator, CostAwareSizer, FixedSizer
-from rasd.decoding.cost import CONTEXT_BUCKETS, CostCurve, context_bucket, curve_key, load_or_measure, measure_curve
+import rasd.decoding.sizing.cost as cost_mod
+from rasd.decoding.sizing.cost import (
+    CONTEXT_BUCKETS,
+    CostCurve,
+    context_bucket,
+    curve_key,
+    load_or_measure,
+    measure_curve,
+)
+from rasd.decoding.sizing.sizers import AcceptanceEstimator, CostAwareSizer, FixedSizer
 from rasd.decoding.tree import DraftTree
 from tests.conftest import tiny_llama
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rasd.decoding.control import FixedSizer
 from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
+from rasd.decoding.sizing.sizers import FixedSizer
 from rasd.distributed.retrieval import ShardedIndex, assign_segments
 from rasd.index import Index
 from rasd.index.writer import add_documents, build_index
@@ -141,8 +141,8 @@ def test_service_with_sharded_index_answers_like_in_process(ray_local: None, tmp
     """The real model and a two-segment index: /v1/docqa's logic with 2 shards = with the local index."""
     import asyncio
 
-    from rasd.pipelines.openai_api import DocQARequest
-    from rasd.pipelines.service import ServeConfig, Service
+    from rasd.serve.openai import DocQARequest
+    from rasd.serve.service import ServeConfig, Service
 
     root = tmp_path / "idx"
     docs = topic_documents()

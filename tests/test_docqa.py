@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from rasd.pipelines.bench_docqa import qa_rows, split_passages
-from rasd.pipelines.docqa import Source, encode_messages, fit_sources, user_message
+from rasd.apps.docqa import Source, encode_messages, fit_sources, user_message
+from rasd.eval.bench_docqa import qa_rows, split_passages
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from rasd.decoding.models import default_model_path
+    from rasd.decoding.model_loading import default_model_path
 
     return AutoTokenizer.from_pretrained(str(default_model_path()))
 
@@ -81,7 +81,7 @@ DOCS = [
 
 @pytest.fixture(scope="module")
 def qa_setup(tmp_path_factory):
-    from rasd.decoding.models import load_model
+    from rasd.decoding.model_loading import load_model
     from rasd.index import Document, build_index
     from rasd.index.store import Index
 
@@ -94,7 +94,7 @@ def qa_setup(tmp_path_factory):
 def test_docqa_methods_equal_hf_greedy_on_the_same_prompt(qa_setup) -> None:
     import torch
 
-    from rasd.pipelines.docqa import DocQA
+    from rasd.apps.docqa import DocQA
 
     index, target = qa_setup
     question = "Who designed the Forth Bridge and when did it open?"

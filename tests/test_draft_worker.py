@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from rasd.decoding.control import FixedSizer
 from rasd.decoding.engine import GenerationOutput, SpeculativeDecoder
 from rasd.decoding.proposers import DraftModelProposer, RasdProposer
 from rasd.decoding.sampling import GREEDY
-from rasd.distributed.draft import DraftPool, DraftWorker, RemoteDraft, load_draft_model
+from rasd.decoding.sizing.sizers import FixedSizer
+from rasd.distributed.draft_worker import DraftPool, DraftWorker, RemoteDraft, load_draft_model
 from rasd.index.suffix_array import SuffixArray
 from tests.conftest import TINY_VOCAB, assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
@@ -225,7 +225,7 @@ def test_eesd_spec_builds_the_self_draft(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_service_config_names_the_worker_model() -> None:
-    from rasd.pipelines.service import ServeConfig, Service
+    from rasd.serve.service import ServeConfig, Service
 
     def spec(**kw: Any) -> str:
         return Service.draft_worker_spec(SimpleNamespace(config=ServeConfig(**kw)))
@@ -237,9 +237,9 @@ def test_service_config_names_the_worker_model() -> None:
 
 
 def test_serve_flags_reach_the_config() -> None:
-    from rasd.cli import CliError
-    from rasd.pipelines.serve import config_from_args
-    from rasd.pipelines.serve_cli import register
+    from rasd.errors import CliError
+    from rasd.serve.app import config_from_args
+    from rasd.serve.options import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -329,8 +329,8 @@ def test_service_drafts_in_named_workers_and_reports_them(ray_local: None, tmp_p
     import asyncio
 
     from rasd.index.writer import build_index
-    from rasd.pipelines.openai_api import CompletionRequest
-    from rasd.pipelines.service import ServeConfig, Service
+    from rasd.serve.openai import CompletionRequest
+    from rasd.serve.service import ServeConfig, Service
     from tests.index_helpers import TOPICS, topic_documents
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path / "home"))

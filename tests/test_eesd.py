@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from rasd.cli import main
-from rasd.decoding.control import FixedSizer, ThompsonSizer
 from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.proposers.early_exit import (
@@ -25,6 +24,7 @@ from rasd.decoding.proposers.early_exit import (
     save_exit_layer,
 )
 from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.sizing.sizers import FixedSizer, ThompsonSizer
 from rasd.decoding.tree import DraftTree
 from rasd.train.eesd import distill_loss, train_eesd
 from tests.conftest import TINY_VOCAB, assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
@@ -244,7 +244,7 @@ def test_draft_vocabulary_ranks_the_targets_expected_counts() -> None:
 def test_optree_and_rasd_draft_with_the_self_draft(tmp_path: Path) -> None:
     """`optree` without a draft model and `--draft-model eesd` use the target's early-exit draft, losslessly."""
     from rasd.decoding.engine import build_decoder
-    from rasd.decoding.models import LoadedModel, load_draft
+    from rasd.decoding.model_loading import LoadedModel, load_draft
 
     target = tiny_llama(2)
     loaded = LoadedModel(model=target, tokenizer=None, name="tiny", device="cpu", dtype="float32")
@@ -315,7 +315,7 @@ def test_adaeagle_with_the_self_draft_spec_uses_the_eesd_predictor(tmp_path: Pat
                                                                    ) -> None:
     """`--draft-model eesd` must not make adaeagle look for a `draft-model` LDLP."""
     from rasd.decoding.engine import build_decoder
-    from rasd.decoding.models import LoadedModel, load_draft
+    from rasd.decoding.model_loading import LoadedModel, load_draft
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path))
     target = tiny_llama(0)
@@ -327,7 +327,7 @@ def test_adaeagle_with_the_self_draft_spec_uses_the_eesd_predictor(tmp_path: Pat
 
 @pytest.mark.parametrize("answer", [True, False])
 def test_eesd_behind_a_gate_equals_hf(tmp_path: Path, answer: bool) -> None:
-    """A closed gate (`rasd.decoding.gate`) means no draft forward at all; output is HF greedy either way."""
+    """A closed gate (`rasd.decoding.sizing.gate`) means no draft forward at all; output is HF greedy either way."""
     from tests.test_gate import Fixed
 
     target = tiny_llama(0)

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from rasd.decoding.control import AcceptanceEstimator, CostAwareSizer, FixedSizer
-from rasd.decoding.cost import CostCurve
 from rasd.decoding.engine import GenerationOutput, SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
+from rasd.decoding.sizing.cost import CostCurve
+from rasd.decoding.sizing.sizers import AcceptanceEstimator, CostAwareSizer, FixedSizer
 from tests.conftest import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -194,7 +194,7 @@ def steep_curve(context_len: int) -> CostCurve:
 
 
 def cpu_like_curve(context_len: int) -> CostCurve:
-    """DESIGN.md's measurement on this CPU: 1 → 60 ms, 16 → 105, 32 → 130, 64 → 190."""
+    """A measured CPU curve (docs/lab-notes/decoding-speed.md): 1 → 60 ms, 16 → 105, 32 → 130, 64 → 190."""
     return CostCurve(key="cpu", context_len=512, sizes=[1, 16, 32, 64], latency_s=[0.060, 0.105, 0.130, 0.190])
 
 

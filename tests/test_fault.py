@@ -51,7 +51,7 @@ def fault_service(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
     import ray
     from ray import serve
 
-    from rasd.pipelines.serve import RasdServer, build_app
+    from rasd.serve.app import RasdServer, build_app
 
     index = _index(tmp_path_factory.mktemp("fault") / "index")
     config = {"index": str(index), "api_key": KEY, "max_batch": 4, "max_waiting": 4, "max_tokens_limit": 64,
@@ -76,7 +76,7 @@ def fault_service(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
 
 
 def test_kills_under_load_cost_no_hang_no_wrong_token_no_document(fault_service: dict[str, Any]) -> None:
-    from rasd.pipelines.fault import FaultConfig, format_fault_table, run_fault
+    from rasd.eval.fault import FaultConfig, format_fault_table, run_fault
 
     cfg = FaultConfig(url=fault_service["url"], api_key=KEY, index=str(fault_service["index"]), app=APP,
                       phases=["shard", "verifier", "draft", "ingest"], questions=QUESTIONS, concurrency=3,

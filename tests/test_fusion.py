@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from rasd.decoding.control import FixedSizer
 from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.fusion import PruneConfig, branch_of, fuse, graft_within, merge_trees, prune
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.sizing.sizers import FixedSizer
 from rasd.decoding.stats import DecodeStats
 from rasd.decoding.tree import DraftTree
 from rasd.index.suffix_array import SuffixArray

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from rasd.decoding.control import FixedSizer
 from rasd.decoding.engine import SpeculativeDecoder
-from rasd.decoding.gate import DRAFT, PLAIN, DraftGate
 from rasd.decoding.proposers import make_proposer
+from rasd.decoding.sizing.gate import DRAFT, PLAIN, DraftGate
+from rasd.decoding.sizing.sizers import FixedSizer
 from tests.conftest import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
 
@@ -130,8 +130,9 @@ def test_gated_proposers_equal_hf_greedy(method: str, answer: bool) -> None:
 
 
 def test_engine_gates_model_drafters_only_with_cost_sizing() -> None:
-    from rasd.decoding.engine import GATED_METHODS
+    from rasd.decoding.proposers.registry import METHODS
 
-    assert set(GATED_METHODS) == {"draft", "optree", "eesd", "adaeagle", "rasd"}
+    gated = {name for name, spec in METHODS.items() if spec.gate_block is not None}
+    assert gated == {"draft", "optree", "eesd", "adaeagle", "rasd"}
     proposer = make_proposer("rasd", gate=Fixed(DRAFT))
     assert proposer.gate is None                        # nothing to gate without a draft model

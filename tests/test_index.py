@@ -385,7 +385,7 @@ def test_tokenizer_mismatch_is_a_clear_error(one_shot: Index, tmp_path: Path) ->
 
 def test_default_tokenizer_end_to_end(tmp_path: Path) -> None:
     """The real SmolLM2 tokenizer: datastore tokens equal the model's own tokenization, and its folder matches."""
-    from rasd.decoding.models import default_model_path
+    from rasd.decoding.model_loading import default_model_path
 
     docs = topic_documents(2)
     index = build_index(docs, tmp_path / "i")                       # model="default"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from rasd.fsio import CRASH_ENV, CRASH_EXIT_CODE
 from rasd.index import Document, Index, IndexOpenError, add_documents, build_index, compact_index
-from rasd.index.fsio import CRASH_ENV, CRASH_EXIT_CODE
 from tests.index_helpers import make_tiny_tokenizer, topic_documents
 
 pytestmark = pytest.mark.slow     # a writer process that embeds imports sentence-transformers (~8 s)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from rasd.cli import main
-from rasd.decoding.control import FixedSizer, make_sizer
 from rasd.decoding.engine import SpeculativeDecoder
-from rasd.decoding.ldlp import (
+from rasd.decoding.proposers import make_proposer
+from rasd.decoding.proposers.early_exit import new_exit_layer, save_exit_layer
+from rasd.decoding.sizing.ldlp import (
     LDLPController,
     LengthPredictor,
     ddd_stop,
@@ -21,8 +22,7 @@ from rasd.decoding.ldlp import (
     shared_tap,
     weighted_l1,
 )
-from rasd.decoding.proposers import make_proposer
-from rasd.decoding.proposers.early_exit import new_exit_layer, save_exit_layer
+from rasd.decoding.sizing.sizers import FixedSizer, make_sizer
 from rasd.decoding.tree import DraftTree
 from rasd.train.ldlp import train_ldlp
 from tests.conftest import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama

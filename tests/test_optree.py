@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from rasd.decoding.control import CostAwareSizer, FixedSizer
 from rasd.decoding.engine import SpeculativeDecoder
+from rasd.decoding.optree import DEFAULT_DELTA, delta_from_times, grow_opt_tree
 from rasd.decoding.proposers import DraftModelProposer, make_proposer
 from rasd.decoding.sampling import GREEDY
+from rasd.decoding.sizing.sizers import CostAwareSizer, FixedSizer
 from rasd.decoding.tree import DraftTree
-from rasd.decoding.trees import DEFAULT_DELTA, delta_from_times, grow_opt_tree
 from tests.conftest import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 from tests.test_engine_greedy import flat_curve, prompt_of
 from tests.test_sampling_exact import OTHER, PROMPT, SVOCAB, TARGET, WARPED, Recording, check_against_exact, exact_joint
@@ -303,8 +303,7 @@ def test_cli_optree_without_a_draft_model_needs_the_trained_self_draft(
 
 def test_n_is_tied_to_the_flat_part_of_the_cost_curve() -> None:
     """OPT-Tree's n: the nodes a curve verifies for about one token's price (a CPU: few; a GPU: many)."""
-    from rasd.decoding.cost import CostCurve
-    from rasd.decoding.engine import flat_nodes
+    from rasd.decoding.sizing.cost import CostCurve, flat_nodes
 
     cpu = CostCurve("cpu", 256, [1, 2, 4, 8, 16], [0.0647, 0.0652, 0.0652, 0.1038, 0.110])
     gpu = CostCurve("gpu", 256, [1, 2, 4, 8, 16, 32, 64], [0.0268] * 5 + [0.0274, 0.0276])

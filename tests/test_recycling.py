@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from rasd.decoding.control import FixedSizer
 from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import RecyclingMatrix, RecyclingProposer, make_proposer
 from rasd.decoding.proposers.recycling import RANK_PRIOR, template
 from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.sizing.sizers import FixedSizer
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict
 from rasd.index.suffix_array import SuffixArray
@@ -73,7 +73,7 @@ def test_rows_with_non_finite_logits_are_not_recycled_and_a_saved_nan_row_is_dro
 
 
 def test_node_buckets_survive_nan_and_overflowing_scores() -> None:
-    from rasd.decoding.control import AcceptanceEstimator
+    from rasd.decoding.sizing.sizers import AcceptanceEstimator
 
     tree = DraftTree.root_only(1)
     a = tree.add(0, 2, "recycling", 1e-310)
@@ -281,11 +281,11 @@ def test_rasd_auto_recycles_beside_matches_only_on_a_flat_curve(flat: bool) -> N
 
 
 def test_curve_is_flat_and_build_decoder_picks_auto() -> None:
-    from rasd.decoding.cost import CostCurve
-    from rasd.decoding.engine import build_decoder, curve_is_flat
+    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.sizing.cost import CostCurve, curve_is_flat
 
     gpu = CostCurve("gpu", 512, [1, 16, 64], [0.0268, 0.0269, 0.0276])      # measured on an H200
-    cpu = CostCurve("cpu", 512, [1, 16, 64], [0.060, 0.105, 0.190])          # this CPU (DESIGN.md)
+    cpu = CostCurve("cpu", 512, [1, 16, 64], [0.060, 0.105, 0.190])          # a 2-core CPU
     assert curve_is_flat(gpu) and not curve_is_flat(cpu)
 
     class Loaded:

@@ -1,4 +1,4 @@
-"""Tests of the benchmark report (`rasd bench --report DIR`, `python -m rasd.pipelines.report`).
+"""Tests of the benchmark report (`rasd bench --report DIR`, `python -m rasd.eval.report`).
 
 Reports are built from a hand-made results dict with every optional key, from the committed
 docs/bench_results_limit5.json (written before the report existed: plots must be skipped with a note),
@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rasd.pipelines import bench, report
-from rasd.pipelines.bench import RunRecord, step_stats
+from rasd.eval import bench, report
+from rasd.eval.aggregate import step_stats
+from rasd.eval.runners import RunRecord
 from tests import test_bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,7 +216,7 @@ def test_bench_accepts_report_next_to_out_and_plot():
 
 @pytest.mark.skipif(not test_bench.HAS_ENGINE, reason="rasd.decoding.engine not written yet")
 def test_bench_report_end_to_end_on_a_tiny_llama(tiny_target, tmp_path, monkeypatch, one_thread):
-    import rasd.decoding.models as models
+    import rasd.decoding.model_loading as models
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(models, "load_model", lambda *a, **k: tiny_target)

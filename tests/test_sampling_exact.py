@@ -23,10 +23,10 @@ import pytest
 import torch
 
 import rasd.decoding.verify as verify_mod
-from rasd.decoding.control import FixedSizer
 from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.sampling import SamplingParams, target_probs
+from rasd.decoding.sizing.sizers import FixedSizer
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict, accept_sampling
 from tests.conftest import pooled_chisquare, pooled_homogeneity, random_prompt, tiny_llama

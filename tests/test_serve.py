@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def local(service: dict[str, Any]) -> Any:
     """The in-process reference: same model, same index."""
-    from rasd.decoding.models import load_model
+    from rasd.decoding.model_loading import load_model
     from rasd.index.store import Index
 
     return load_model("default"), Index.open(service["index"])
@@ -59,6 +59,22 @@ def test_health_models_and_api_key(service: dict[str, Any]) -> None:
     assert wrong.status_code == 401
     models = service["client"].get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "rasd-default"
+
+
+def test_api_key_is_checked_before_the_body_and_guards_the_docs(service: dict[str, Any]) -> None:
+    bare = httpx.Client(base_url=service["url"], timeout=30)
+    assert bare.get("/healthz").json()["auth"] is True
+    # an unkeyed caller gets 401, not the schema's 400 details, and the body is never parsed
+    invalid = bare.post("/v1/chat/completions", json={"messages": "not a list", "max_tokens": -5})
+    assert invalid.status_code == 401 and invalid.headers["www-authenticate"] == "Bearer"
+    huge = bare.post("/v1/completions", content=b"{" * 5_000_000, headers={"content-type": "application/json"})
+    assert huge.status_code == 401
+    for path in ("/docs", "/openapi.json", "/metrics", "/v1/info", "/v1/documents"):
+        assert bare.get(path).status_code == 401, path
+    near = bare.get("/v1/models", headers={"Authorization": f"Bearer {KEY}x"})
+    assert near.status_code == 401
+    assert bare.get("/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert bare.get("/").status_code == 200                       # the web page asks for the key itself
 
 
 def test_completion_equals_in_process_engine(service: dict[str, Any], local: Any) -> None:
@@ -122,8 +138,8 @@ def test_a_chats_next_turn_reuses_the_previous_prompt(service: dict[str, Any], l
 
 
 def test_docqa_equals_in_process_pipeline(service: dict[str, Any], local: Any) -> None:
+    from rasd.apps.docqa import DocQA
     from rasd.client import Client
-    from rasd.pipelines.docqa import DocQA
 
     target, index = local
     with Client(service["url"], api_key=KEY) as client:
@@ -241,18 +257,18 @@ def test_metrics_use_vllm_style_names(service: dict[str, Any]) -> None:
 def test_serve_config_yaml_builds(tmp_path: Path) -> None:
     import yaml
 
-    from rasd.pipelines.serve import build_app
+    from rasd.serve.app import build_app
 
     config = yaml.safe_load(Path("serve_config.yaml").read_text())
     app = config["applications"][0]
-    assert app["import_path"] == "rasd.pipelines.serve:build_app"
+    assert app["import_path"] == "rasd.serve.app:build_app"
     build_app(app["args"])   # the builder accepts the file's args
     with pytest.raises(ValueError, match="unknown serve config keys"):
         build_app({"modle": "default"})
 
 
 def test_load_levels_report_throughput_and_latency(service: dict[str, Any]) -> None:
-    from rasd.pipelines.load import format_load_table, run_level
+    from rasd.eval.load import format_load_table, run_level
 
     questions = [QUESTION, "How long is the Forth Bridge?", "How is green tea brewed?"]
     level = run_level(service["url"], KEY, questions, 3, {"max_tokens": 12, "temperature": 0, "top_k_sources": 1})
@@ -266,7 +282,7 @@ def test_load_levels_report_throughput_and_latency(service: dict[str, Any]) -> N
 
 
 def test_load_level_counts_errors_and_rejections_without_retrying(service: dict[str, Any]) -> None:
-    from rasd.pipelines.load import format_load_table, percentile, run_level
+    from rasd.eval.load import format_load_table, percentile, run_level
 
     level = run_level(service["url"], "wrong-key", ["a?", "b?"], 2, {"max_tokens": 4})
     assert level["completed"] == 0 and level["errors"] == 2 and level["latency_p50_s"] is None
@@ -284,7 +300,7 @@ def test_a_ray_started_for_the_service_runs_serve_quietly(monkeypatch: pytest.Mo
     import os
     import subprocess
 
-    from rasd.pipelines import serve as serve_mod
+    from rasd.serve import app as serve_mod
 
     calls: list[tuple[list[str], dict[str, Any]]] = []
 
@@ -306,7 +322,7 @@ def test_load_plot_labels_each_level_against_both_hf_rates(tmp_path: Path, monke
     """The plot says what the table says: aggregate vs HF decode-only and vs HF with prefill, per level."""
     import matplotlib.figure
 
-    from rasd.pipelines.load import plot_load
+    from rasd.eval.load import plot_load
 
     saved: list[Any] = []
     real_savefig = matplotlib.figure.Figure.savefig

@@ -20,9 +20,9 @@ from tests.test_draft_worker import tiny_model_folder
 def test_verifier_flags_reach_the_config_and_imply_the_actor() -> None:
     import argparse
 
-    from rasd.cli import CliError
-    from rasd.pipelines.serve import build_app, config_from_args
-    from rasd.pipelines.serve_cli import register
+    from rasd.errors import CliError
+    from rasd.serve.app import build_app, config_from_args
+    from rasd.serve.options import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -73,7 +73,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
 
 
 def request(prompt: str, max_tokens: int, method: str = "rasd") -> Any:
-    from rasd.pipelines.openai_api import CompletionRequest
+    from rasd.serve.openai import CompletionRequest
 
     return CompletionRequest(prompt=prompt, max_tokens=max_tokens, method=method, temperature=0.0)
 
@@ -88,7 +88,7 @@ def test_verifier_actor_gives_the_in_replica_tokens_and_sees_ingested_documents(
         ray_local: None, setup: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
-    from rasd.pipelines.service import ServeConfig, Service
+    from rasd.serve.service import ServeConfig, Service
     from tests.index_helpers import TOPICS, topic_documents
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path / "home"))
@@ -122,8 +122,8 @@ def test_a_dead_verifier_is_restarted_and_greedy_requests_survive_it(
     import ray
 
     from rasd.distributed.verifier import verifier_handle
-    from rasd.pipelines.openai_api import ApiError, CompletionRequest
-    from rasd.pipelines.service import ServeConfig, Service
+    from rasd.serve.openai import ApiError, CompletionRequest
+    from rasd.serve.service import ServeConfig, Service
     from tests.index_helpers import TOPICS
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path / "home"))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rasd.decoding.cache import GrowableLayer, TreeCache
+from rasd.decoding.cache import GrowableLayer, TreeCache, cache_kwargs
 from rasd.decoding.kernels import fast_kernels, install
 from rasd.decoding.sampling import GREEDY
 from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict, accept_greedy, cache_kwargs, tree_forward, tree_inputs, verify
+from rasd.decoding.verify import Verdict, accept_greedy, tree_forward, tree_inputs, verify
 from tests.conftest import random_prompt, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

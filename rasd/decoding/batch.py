@@ -3,7 +3,7 @@
 Memory traffic decides a forward's cost on CPU and small GPUs alike: the weights are read once whether the
 forward carries one token or sixty. So several requests decoding at once should share their forwards.
 
-Layout (DESIGN.md, "Distribution"): one right-padded cache [B, kv_heads, capacity, head_dim] with a length
+Layout: one right-padded cache [B, kv_heads, capacity, head_dim] with a length
 per row. Every step appends each row's tree at the shared end S = max(row lengths); the 4-D mask lets a
 row's nodes see only that row's own entries [0, len_b) and their tree ancestors, so a row's gap
 [len_b, S) is invisible, and RoPE positions come from `position_ids` (len_b + depth), so a key's slot
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
-from rasd.decoding import lean
-from rasd.decoding.batch_sizing import BatchSizer
+from rasd.decoding import fast_forward
 from rasd.decoding.cache import MIN_CAPACITY, GrowableLayer, TreeCache
-from rasd.decoding.control import CostAwareSizer
-from rasd.decoding.cost import CostCurve
 from rasd.decoding.engine import GenerationStream
 from rasd.decoding.kernels import fast_kernels
 from rasd.decoding.prefix_cache import PrefixCache
+from rasd.decoding.sizing.batch import BatchSizer
+from rasd.decoding.sizing.cost import CostCurve
+from rasd.decoding.sizing.sizers import CostAwareSizer
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict, accept_greedy, accept_sampling
 
@@ -223,7 +223,7 @@ class BatchDecoder:
     """Steps many `GenerationStream`s together: per-request proposing and committing, one shared forward.
 
     With `chunk_tokens` > 0, a request that joins while others decode is prefilled in chunks, each stacked
-    onto a step's forward (`lean.forward_mixed`) instead of stopping every running request for a whole
+    onto a step's forward (`fast_forward.forward_mixed`) instead of stopping every running request for a whole
     prefill (≈ 1 s for 880 prompt tokens here): the running requests keep streaming and the chunk shares the
     step's weight reads. Its first token comes out of the step that runs its last chunk. Off by default: in
     the 8-concurrent load test it did not raise throughput (the joining requests reach the batch later,
@@ -266,7 +266,7 @@ class BatchDecoder:
         single = TreeCache.for_model(self.model)
         cached = self.prefix_cache.fill(single, stream.prompt_ids) if self.prefix_cache is not None else 0
         if self.streams and self.chunk_tokens > 0 and self.fast and self.device.type == "cpu" \
-                and lean.supports(self.model):
+                and fast_forward.supports(self.model):
             stream.start()
             stream.stats.cached_prompt_tokens = cached
             self.prefilling.append(PrefillJob(stream, single, done=cached))
@@ -325,7 +325,7 @@ class BatchDecoder:
         rest = job.stream.prompt_ids[job.done:]
         ids = torch.tensor([rest], dtype=torch.long, device=self.device)
         pos = torch.arange(job.done, job.done + len(rest), device=self.device)[None]
-        logits = lean.forward(self.model, job.cache, ids, pos, last_only=True)
+        logits = fast_forward.forward(self.model, job.cache, ids, pos, last_only=True)
         return [(job.stream, self._joined(job.stream, job.cache, job.stream.first_token(logits[0, -1])))]
 
     def _step(self) -> list[tuple[GenerationStream, list[int]]]:
@@ -381,7 +381,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         ids, pos, mask = batch_inputs(trees, cache.row_lengths, past_len, param.dtype, param.device)
         if job is None:
-            logits = lean.forward(self.model, cache, ids, pos, mask).float()   # [B, T, vocab]
+            logits = fast_forward.forward(self.model, cache, ids, pos, mask).float()   # [B, T, vocab]
             first: list[int] | None = None
         else:
             logits, first = self._forward_with_chunk(job, ids, pos, mask)
@@ -409,7 +409,7 @@ class BatchDecoder:
         block when that chunk was its last."""
         chunk, last = job.next_chunk(self.chunk_tokens)
         chunk_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
-        out = lean.forward_mixed(self.model, self.cache, ids, pos, mask, job.cache, chunk_ids, last).float()
+        out = fast_forward.forward_mixed(self.model, self.cache, ids, pos, mask, job.cache, chunk_ids, last).float()
         job.done += len(chunk)
         rows = ids.shape[0] * ids.shape[1]
         first = job.stream.first_token(out[rows]) if last else None

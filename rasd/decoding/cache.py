@@ -8,6 +8,8 @@ entries down next to the context and truncates the rest (KV compaction).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -105,3 +107,14 @@ class TreeCache(DynamicCache):
         offsets = torch.as_tensor(list(node_indices), dtype=torch.long)
         for layer in self.layers:
             layer.keep(start, offsets)
+
+
+def cache_kwargs(model: torch.nn.Module, cache: TreeCache) -> dict[str, TreeCache]:
+    """Pass the cache under the name this transformers version expects (`cache` from 5.2x on)."""
+    return {_cache_arg(type(model)): cache}
+
+
+@functools.cache
+def _cache_arg(model_class: type) -> str:
+    """Looked up once per model class: `inspect.signature` on every decoding step costs measurable time."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"

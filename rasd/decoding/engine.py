@@ -14,18 +14,18 @@ from typing import Any
 
 import torch
 
-from rasd.decoding import lean
-from rasd.decoding.cache import TreeCache
-from rasd.decoding.control import CostAwareSizer, FixedSizer, Sizer, make_sizer
-from rasd.decoding.cost import context_bucket, load_or_measure
-from rasd.decoding.gate import DraftGate
+from rasd.decoding import fast_forward
+from rasd.decoding.cache import TreeCache, cache_kwargs
 from rasd.decoding.kernels import fast_kernels, install
-from rasd.decoding.models import is_self_draft
-from rasd.decoding.proposers import Proposer, RecyclingMatrix, make_proposer
+from rasd.decoding.proposers import Proposer, RecyclingMatrix
+from rasd.decoding.proposers.registry import DecoderSetup, make_proposer, method_spec
 from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
+from rasd.decoding.sizing.cost import context_bucket, load_or_measure
+from rasd.decoding.sizing.gate import DraftGate
+from rasd.decoding.sizing.sizers import CostAwareSizer, FixedSizer, Sizer, make_sizer
 from rasd.decoding.stats import DecodeStats
 from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict, cache_kwargs, verify
+from rasd.decoding.verify import Verdict, verify
 
 
 @dataclass
@@ -185,9 +185,9 @@ class GenerationStream:
         self.stats.cached_prompt_tokens = cached
         dec = self.decoder
         ids = torch.tensor([self.prompt_ids[cached:]], dtype=torch.long, device=dec.device)
-        if cached:   # the lean path runs the rest of the prompt as the same causal kernel (`lean._layer`)
+        if cached:   # the lean path runs the rest of the prompt as the same causal kernel (`fast_forward._layer`)
             pos = torch.arange(cached, len(self.prompt_ids), device=dec.device)[None]
-            return self.first_token(lean.forward(dec.model, cache, ids, pos, last_only=True)[0, -1])
+            return self.first_token(fast_forward.forward(dec.model, cache, ids, pos, last_only=True)[0, -1])
         out = dec.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(dec.model, cache))
         return self.first_token(out.logits[0, -1])
 
@@ -274,75 +274,36 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
                   sizing: str = "cost", max_nodes: int = 64, **proposer_options: Any) -> SpeculativeDecoder:
     """A decoder for a LoadedModel and a method name, with cost-aware sizing against its measured curve.
 
-    `sizing` names the tree-size policy (`control.SIZINGS`): `cost` (default) against the target's measured
-    cost curve, `fixed` (keeps up to `max_nodes` nodes by proposer score, no cost model), `heuristic`,
-    `threshold`, `thompson` or `ldlp` (a trained predictor: option `ldlp=` or $RASD_HOME/ldlp/). `eesd` and
-    `adaeagle` draft with the target's own first layers + a trained exit layer (option `eesd=` or
-    $RASD_HOME/eesd/<model>.safetensors) and decide their draft length themselves (Thompson; LDLP + DDD);
-    `optree` without a draft model grows its tree over that same self-draft.
-    With `cost`, `optree`'s δ is the ratio of a measured draft forward to the curve's plain step (see
-    `rasd.decoding.trees`). `datastores` (token suffix arrays) feed the `retrieval` and `rasd` methods; other
-    methods ignore them. `recycling` and `rasd` read the target's Token Recycling matrix: pass a shared one
-    (`recycling=`) to keep what earlier requests recycled (hot start); otherwise this decoder gets its own,
-    empty one.
+    `sizing` names the tree-size policy (`sizing.sizers.SIZINGS`): `cost` (default) against the target's
+    measured cost curve, `fixed` (up to `max_nodes` nodes by proposer score), `heuristic`, `threshold`,
+    `thompson` or `ldlp` (a trained predictor: option `ldlp=` or $RASD_HOME/ldlp/). What a method needs and
+    the options cost sizing gives it come from its `MethodSpec` (`proposers.registry`). `datastores` (token
+    suffix arrays) feed the methods that use the index; methods that read the target's Token Recycling
+    matrix get the shared one passed as `recycling=` (hot start), else their own, empty one.
     """
-    if method in ("recycling", "rasd"):
+    spec = method_spec(method)
+    if spec.uses_recycling:
         proposer_options.setdefault("recycling", RecyclingMatrix(vocab_size(target.model)))
     curve_for = _curve_provider(target)   # lazy: nothing is measured unless a policy asks for the curve
-    if method == "rasd" and sizing == "cost" and "recycle_when" not in proposer_options:
-        proposer_options.update(recycle_when="auto", flat_curve=lambda n: curve_is_flat(curve_for(n)))
-    if method == "optree" and sizing == "cost":
-        proposer_options.setdefault("target_step_s", lambda context_len: curve_for(context_len).latency(1))
-        proposer_options.setdefault("node_cap", lambda context_len: flat_nodes(curve_for(context_len)))
-    if method == "rasd" and draft is not None and sizing == "cost" and "draft_options" not in proposer_options:
-        # the draft's chain stops where its next node is less likely than its forward costs (p̂ < δ)
-        proposer_options["draft_options"] = {"min_prob": None,
-                                             "target_step_s": lambda n: curve_for(n).latency(1)}
-    if method in GATED_METHODS and sizing == "cost":
+    drafter = spec.ldlp_drafter(None if draft is None else draft.name)
+    setup = DecoderSetup(target, draft, sizing, proposer_options, curve_for)
+    if spec.configure is not None:
+        spec.configure(setup)
+    if spec.gate_block is not None and sizing == "cost":
         # drafts are paid for before the sizer can drop them: decide per step whether drafting pays at all
-        # (rasd: per retrieval match class, which changes often, so shorter pulls)
-        proposer_options.setdefault("gate", DraftGate(block=4 if method == "rasd" else 8))
-    if method == "adaeagle" and draft is not None and is_self_draft(draft.name):
-        draft = None   # `--draft-model eesd` is adaeagle's own default drafter (and its LDLP's tag)
-    if method == "optree" and draft is None:   # OPT-Tree over the target's own early-exit draft
-        from rasd.decoding.models import SELF_DRAFT, load_draft
-
-        draft = load_draft(SELF_DRAFT, target, proposer_options.pop("eesd", None))
-    if method in ("eesd", "adaeagle"):   # self-drafts: the target's own layers + trained weights
-        proposer_options.setdefault("target_model", target.model)
-        proposer_options.setdefault("model_name", target.name)
+        proposer_options.setdefault("gate", DraftGate(block=spec.gate_block))
     sizer_options: dict[str, Any] = {}
     if sizing == "ldlp":
-        sizer_options = {"target": target.model, "model_name": target.name,
-                         "path": (proposer_options.get("ldlp") if method == "adaeagle"
-                                  else proposer_options.pop("ldlp", None)),
-                         "drafter": "eesd" if method == "eesd" or (method == "adaeagle" and draft is None)
-                         else "draft-model"}
+        sizer_options = {"target": target.model, "model_name": target.name, "drafter": drafter,
+                         "path": (proposer_options.get("ldlp") if spec.needs_ldlp
+                                  else proposer_options.pop("ldlp", None))}
+    draft = setup.draft
     proposer = make_proposer(method, draft_model=None if draft is None else draft.model, datastores=datastores,
                              **proposer_options)
-    sizer: Sizer = (FixedSizer(0) if method == "ar"
-                    else make_sizer(sizing, max_nodes, curve_for=curve_for, **sizer_options))
+    sizer: Sizer = (make_sizer(sizing, max_nodes, curve_for=curve_for, **sizer_options) if spec.speculates
+                    else FixedSizer(0))
     return SpeculativeDecoder(target.model, proposer, tokenizer=target.tokenizer, sizer=sizer,
                               max_context=target.max_context, method=method)
-
-
-GATED_METHODS = ("draft", "optree", "eesd", "adaeagle", "rasd")   # model drafters (rasd: when it has one)
-FLAT_CURVE_RATIO = 1.15   # verifying 16 tree tokens costs < 15% more than one: extra nodes are nearly free
-
-
-def flat_nodes(curve: Any, ratio: float = FLAT_CURVE_RATIO) -> int:
-    """Draft nodes that verify for at most `ratio` x one token's latency (this CPU: 3; an H200: 63), >= 1.
-
-    OPT-Tree's n, tied to the measured curve: the paper's n = 60 assumes a GPU, where wider trees are free.
-    """
-    one = curve.latency(1)
-    fits = [n for n in curve.sizes if curve.latency(n) <= ratio * one]
-    return max(max(fits, default=1) - 1, 1)
-
-
-def curve_is_flat(curve: Any, tokens: int = 16) -> bool:
-    """Whether a 16-token tree costs about as much as one token (a GPU: 1.00x; this CPU: ≈1.75x)."""
-    return curve.latency(tokens) < FLAT_CURVE_RATIO * curve.latency(1)
 
 
 def vocab_size(model: torch.nn.Module) -> int:

@@ -52,7 +52,7 @@ _PACKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], torch.
 
 
 def fast_enabled() -> bool:
-    """Whether this thread is inside `fast_kernels()` (the engine's fast path; see also `lean`)."""
+    """Whether this thread is inside `fast_kernels()` (the engine's fast path; see also `fast_forward`)."""
     return getattr(_state, "on", False)
 
 

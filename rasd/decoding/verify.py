@@ -7,13 +7,11 @@ distribution a draft token was sampled from (known only for sampled drafts).
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
 
-from rasd.decoding import lean
+from rasd.decoding import fast_forward
 from rasd.decoding.cache import TreeCache
 from rasd.decoding.sampling import SamplingParams, sample, target_probs
 from rasd.decoding.tree import DraftTree
@@ -64,18 +62,7 @@ def tree_forward(model: torch.nn.Module, cache: TreeCache, tree: DraftTree) -> t
         mask = None
     else:
         input_ids, position_ids, mask = tree_inputs(tree, past_len, param.dtype, param.device)
-    return lean.forward(model, cache, input_ids, position_ids, mask)[0].float()
-
-
-def cache_kwargs(model: torch.nn.Module, cache: TreeCache) -> dict[str, TreeCache]:
-    """Pass the cache under the name this transformers version expects (`cache` from 5.2x on)."""
-    return {_cache_arg(type(model)): cache}
-
-
-@functools.cache
-def _cache_arg(model_class: type) -> str:
-    """Looked up once per model class: `inspect.signature` on every decoding step costs measurable time."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+    return fast_forward.forward(model, cache, input_ids, position_ids, mask)[0].float()
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:

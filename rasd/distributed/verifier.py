@@ -22,27 +22,28 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
 import ray
 
-from rasd.pipelines.openai_api import ApiError
+from rasd.errors import ApiError
 
 NAMESPACE = "rasd"
 NAME_PREFIX = "rasd-verifier-"
 
 
 class TargetVerifier:
-    """Ray actor body: a local-mode `Service` whose `events` stream out through a generator."""
+    """Ray actor body: a local-mode service whose `events` stream out through a generator.
 
-    def __init__(self, config: Any):
-        from rasd.pipelines.service import Service
+    `make_service(config, decode_only=True)` builds it: the serve layer passes its `Service` class in, so
+    this layer never imports the one above it."""
 
+    def __init__(self, config: Any, make_service: Callable[..., Any]):
         # the actor reads token datastores from the index folder itself; vector search stays with the replica
         local = replace(config, verifier_actor=False, verifier_options={}, retrieval_shards=0)
-        self.service = Service(local, decode_only=True)
+        self.service = make_service(local, decode_only=True)
 
     def ready(self) -> bool:
         return True
@@ -68,7 +69,8 @@ class TargetVerifier:
 class RemoteVerifier:
     """The replica's handle: starts the actor, streams a request's events, turns its death into a 503."""
 
-    def __init__(self, config: Any, timeout_s: float = 600.0, retry_s: float = 120.0):
+    def __init__(self, config: Any, make_service: Callable[..., Any], timeout_s: float = 600.0,
+                 retry_s: float = 120.0):
         self.name = NAME_PREFIX + uuid.uuid4().hex[:8]
         self.retry_s = retry_s            # how long a request waits for a restarted verifier
         self.requests_resent = 0            # requests re-sent after the verifier died under them
@@ -78,7 +80,7 @@ class RemoteVerifier:
         options = {"num_cpus": 0, **config.verifier_options}
         self.actor = ray.remote(TargetVerifier).options(
             name=self.name, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
-            max_concurrency=1000, **options).remote(config)
+            max_concurrency=1000, **options).remote(config, make_service)
         ray.get(self.actor.ready.remote(), timeout=timeout_s)   # the model is loaded before we say "up"
 
     async def events(self, prepared: Any, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:

@@ -93,7 +93,7 @@ def _setup_logging(quiet: bool) -> None:
 
 def _guard(fn: Any, args: argparse.Namespace) -> int:
     """Run a handler, turning index errors into the CLI's one-line error."""
-    from rasd.cli import CliError
+    from rasd.errors import CliError
 
     _setup_logging(getattr(args, "quiet", False))
     try:
@@ -181,7 +181,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 def run_search(args: argparse.Namespace) -> int:
     def go(a: argparse.Namespace) -> int:
-        from rasd.cli import CliError
+        from rasd.errors import CliError
         from rasd.index.store import Index
 
         if a.k < 1:

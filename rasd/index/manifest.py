@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rasd.fsio import sha256_file, write_json_atomic
 from rasd.index.errors import IndexOpenError
-from rasd.index.fsio import sha256_file, write_json_atomic
 from rasd.index.segment import SEGMENT_FILES
 
 MANIFEST_NAME = "manifest.json"

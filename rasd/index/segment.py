@@ -27,9 +27,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rasd.fsio import crash_point, fsync_dir, fsync_file, sha256_file
 from rasd.index.chunking import Chunk, TokenizedDocument, chunk_document
 from rasd.index.documents import Document
-from rasd.index.fsio import crash_point, fsync_dir, fsync_file, sha256_file
 from rasd.index.suffix_array import build_suffix_array, join_documents
 from rasd.index.vectors import build_vector_index, write_vector_index
 

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rasd.fsio import LOCK_NAME, crash_point, fsync_dir, writer_lock
 from rasd.index.chunking import load_tokenizer, tokenize_documents, tokenizer_fingerprint
 from rasd.index.documents import Document, load_documents
 from rasd.index.embed import embed_texts, embedding_dim, load_embedder
 from rasd.index.errors import IndexInputError, TokenizerMismatchError
-from rasd.index.fsio import LOCK_NAME, crash_point, fsync_dir, writer_lock
 from rasd.index.manifest import MANIFEST_NAME, commit_manifest, new_manifest, read_manifest
 from rasd.index.segment import (
     SEGMENT_PREFIX,

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from rasd.decoding.ldlp import FinalNormTap
+from rasd.decoding.sizing.ldlp import FinalNormTap
+from rasd.text import encode_prompt
 
 BUILTIN = "builtin"
 SHAREGPT = Path("sharegpt") / "sharegpt_v3_first4000.jsonl.gz"
@@ -82,14 +83,7 @@ def prompt_windows(tokenizer: Any, prompts: list[str], length: int, chat: bool =
     """
     rows = []
     for text in prompts:
-        if chat and getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            ids = tokenizer(text)["input_ids"]
-        ids = list(ids)
+        ids = encode_prompt(tokenizer, text, chat)
         if len(ids) >= length:
             rows.append(ids[-length:])
     if not rows:
@@ -204,9 +198,9 @@ def self_generate(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: in
 
 def generation_cache(model_name: str) -> Path:
     """$RASD_HOME/selfgen/<model>/: the target's cached greedy continuations (see `greedy_continuations`)."""
-    from rasd.decoding.models import rasd_home, slug
+    from rasd.paths import selfgen_dir
 
-    return rasd_home() / "selfgen" / slug(model_name)
+    return selfgen_dir(model_name)
 
 
 def split(n: int, held_out: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

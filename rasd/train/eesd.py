@@ -217,8 +217,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rasd.cli import CliError
-    from rasd.decoding.models import ModelLoadError, load_model
+    from rasd.decoding.model_loading import ModelLoadError, load_model
+    from rasd.errors import CliError
     from rasd.train.common import load_prompts, prompt_windows
 
     try:

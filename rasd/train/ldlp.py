@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from rasd.decoding.ldlp import LengthPredictor, ldlp_features, ldlp_labels, ldlp_path, weighted_l1
+from rasd.decoding.sizing.ldlp import LengthPredictor, ldlp_features, ldlp_labels, ldlp_path, weighted_l1
 from rasd.train.common import self_generate, split, write_json
 
 
@@ -131,9 +131,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rasd.cli import CliError
-    from rasd.decoding.models import ModelLoadError, load_model
+    from rasd.decoding.model_loading import ModelLoadError, load_model
     from rasd.decoding.proposers.early_exit import load_early_exit
+    from rasd.errors import CliError
     from rasd.train.common import generation_cache, load_prompts, prompt_windows
 
     if args.under_weight <= 1:

@@ -10,7 +10,7 @@ more draft forward is worth its time only while the node it adds is at least tha
 With sampling (temperature > 0) the draft is a chain sampled from the draft's warped distribution q, and q
 is attached to each node so the verifier can apply the exact SpecInfer residual rule.
 
-`shape="optree"` (method `optree`) grows the OPT-Tree instead (`rasd.decoding.trees`): the tree of n nodes
+`shape="optree"` (method `optree`) grows the OPT-Tree instead (`rasd.decoding.optree`): the tree of n nodes
 (n = the sizer's budget) with the largest expected acceptance length, deepened while the gain exceeds δ.
 Its nodes are deterministic top-n candidates, in greedy and in sampling mode alike (no q attached): the
 verifier accepts such a candidate x with probability p(x) and zeroes it on rejection, which is exact.
@@ -23,12 +23,12 @@ from collections.abc import Callable
 
 import torch
 
-from rasd.decoding import lean
+from rasd.decoding import fast_forward
 from rasd.decoding.cache import TreeCache
-from rasd.decoding.gate import DraftGate
+from rasd.decoding.optree import DEFAULT_MAX_DEPTH, delta_from_times, grow_opt_tree
 from rasd.decoding.sampling import GREEDY, SamplingParams, target_probs
+from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.tree import DraftTree
-from rasd.decoding.trees import DEFAULT_MAX_DEPTH, delta_from_times, grow_opt_tree
 from rasd.decoding.verify import Verdict
 
 SOURCE = "draft"
@@ -62,7 +62,7 @@ class DraftModelProposer:
         # about the price of one token). Growing 64-node layers that the sizer then cuts to 3 wastes drafts.
         self.node_cap = node_cap
         # Whether to draft at all this step (engine: with cost sizing): drafts are paid for before the sizer
-        # can drop them (see `rasd.decoding.gate`).
+        # can drop them (see `rasd.decoding.sizing.gate`).
         self.gate = gate
         self.forward_s: float | None = None   # EMA of one frontier draft forward (seconds)
         self.last_layers = 0                   # OPT-Tree layers grown by the last propose (statistics, tests)
@@ -141,7 +141,7 @@ class DraftModelProposer:
         ids = torch.tensor([new], dtype=torch.long, device=self.device)
         pos = torch.arange(self.offset + common, len(context), device=self.device)[None]   # true positions
         t0 = time.perf_counter()
-        logits = lean.forward(self.model, self.cache, ids, pos, last_only=True)   # [1, 1, vocab]
+        logits = fast_forward.forward(self.model, self.cache, ids, pos, last_only=True)   # [1, 1, vocab]
         self.cached = list(seen)
         self.root_logits = logits[0, -1].float()
         if len(new) <= 4:   # a catch-up of a few tokens costs about one draft step: a sample for δ
@@ -171,7 +171,7 @@ class DraftModelProposer:
         ids = torch.tensor([[tree.tokens[i] for i in nodes]], device=self.device)
         pos = torch.tensor([[context_len - 1 + depths[i] for i in nodes]], device=self.device)
         t0 = time.perf_counter()
-        logits = lean.forward(self.model, self.cache, ids, pos, mask[None, None].to(self.device))[0].float()
+        logits = fast_forward.forward(self.model, self.cache, ids, pos, mask[None, None].to(self.device))[0].float()
         self._time_forward(t0)
         return logits
 

@@ -12,7 +12,7 @@ the target's cache also holds tree entries until compaction; correctness first.
 
 Draft length: `eesd` samples it by Thompson sampling (`control.ThompsonSizer.sample_depth`: a Beta(α, β)
 posterior on per-token acceptance, sampled level by level, hard cap; α/β updated from each verdict).
-`adaeagle` predicts k with the LDLP and stops by AdaEAGLE-DDD (`rasd.decoding.ldlp`). Greedy: a chain of
+`adaeagle` predicts k with the LDLP and stops by AdaEAGLE-DDD (`rasd.decoding.sizing.ldlp`). Greedy: a chain of
 argmax tokens (`eesd` also hangs each chain token's two runner-ups on as leaves: free from the same
 logits, and often right where the argmax is not). Sampling: a chain drawn from the draft's warped q with q
 attached to every node, so the verifier applies the exact residual rule; the stop rule only looks at tokens
@@ -30,10 +30,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from rasd.decoding.control import ThompsonSizer
-from rasd.decoding.gate import DraftGate
+from rasd import paths
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.sampling import SamplingParams, target_probs
+from rasd.decoding.sizing.gate import DraftGate
+from rasd.decoding.sizing.sizers import ThompsonSizer
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict
 
@@ -141,9 +142,7 @@ def early_exit_model(target: nn.Module, exit_layer: nn.Module, layers: int,
 
 def eesd_path(model_name: str) -> Path:
     """Default exit-layer weights: $RASD_HOME/eesd/<model>.safetensors."""
-    from rasd.decoding.models import rasd_home, slug
-
-    return rasd_home() / "eesd" / f"{slug(model_name)}.safetensors"
+    return paths.eesd_path(model_name)
 
 
 VOCAB_KEY = "draft_vocab"   # optional int64 tensor of draft-vocabulary token ids beside the layer's weights
@@ -254,7 +253,7 @@ def make_eesd(target: nn.Module, eesd: str | Path | None = None, model_name: str
     """Method `eesd`: the self-draft with a Thompson-sampled length (hard cap `max_depth`).
 
     `siblings` (greedy): the chain's runner-up tokens as extra leaves (see `LengthControlledProposer`).
-    `gate`: whether to draft at all this step (`rasd.decoding.gate`; the engine gives one with cost sizing).
+    `gate`: whether to draft at all this step (`rasd.decoding.sizing.gate`; the engine gives one with cost sizing).
     """
     draft = load_early_exit(target, eesd, model_name)
     return LengthControlledProposer(draft, ThompsonLength(ThompsonSizer(max_depth=max_depth, seed=seed)), "eesd",
@@ -265,7 +264,7 @@ def make_adaeagle(target: nn.Module, draft_model: nn.Module | None = None, eesd:
                   ldlp: str | Path | None = None, model_name: str = "default", seed: int = 0,
                   gate: DraftGate | None = None, **_: Any) -> LengthControlledProposer:
     """Method `adaeagle`: `draft_model` if given, else the EESD self-draft; length from LDLP + DDD."""
-    from rasd.decoding.ldlp import load_controller
+    from rasd.decoding.sizing.ldlp import load_controller
 
     drafter = "draft-model" if draft_model is not None else "eesd"
     controller = load_controller(target, ldlp, model_name, drafter)

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rasd.decoding.fusion import ProbsFn, PruneConfig, fuse, merge_trees, prune
-from rasd.decoding.gate import DraftGate
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.recycling import RecyclingMatrix, RecyclingProposer
 from rasd.decoding.proposers.retrieval import CONTEXT, RetrievalProposer, match_class
 from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict
 
@@ -67,7 +67,7 @@ class RasdProposer:
         self._probs_from_draft = probs_fn is None and prune_with in ("auto", "draft") and self.draft is not None
         # Whether to run the draft model this step, per retrieval match class: where the request's own text
         # already has the continuation, or the draft is rarely right, its forwards cost more than the tokens
-        # they add (measured; `rasd.decoding.gate`). The engine gives one with cost sizing.
+        # they add (measured; `rasd.decoding.sizing.gate`). The engine gives one with cost sizing.
         self.gate = gate if self.draft is not None else None
 
     @staticmethod
@@ -75,7 +75,7 @@ class RasdProposer:
                     draft_options: dict[str, Any] | None) -> Any:
         """A local `DraftModelProposer` over `draft_model`, or an already-built one (`draft_proposer`).
 
-        Why both: a draft served elsewhere (`rasd.distributed.draft.RemoteDraft`, duck-typed `start`,
+        Why both: a draft served elsewhere (`rasd.distributed.draft_worker.RemoteDraft`, duck-typed `start`,
         `propose`, `root_probs`) is built by the caller, with its options where the model lives.
         """
         if draft_proposer is None:
@@ -151,7 +151,7 @@ class RasdProposer:
         Measured on LongBench QA rows on the CPU: added at every step, recycled nodes filled the budget beside
         the context's continuation and were rarely right there (44 of 1181 accepted), making trees 1.8x larger
         at a steep cost per node. On an H200 the curve is flat (64 tokens cost 3% more than 1) and recycling
-        alone was the best source on Spec-Bench (README, "On a GPU"): extra nodes are nearly free there.
+        alone was the best source on Spec-Bench (docs/lab-notes/gpu.md): extra nodes are nearly free there.
         """
         if self.recycling is None:
             return False

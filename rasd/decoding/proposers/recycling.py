@@ -24,17 +24,17 @@ Scores are p̂ in both shapes, so the sizer can rank recycled nodes against othe
 from __future__ import annotations
 
 import heapq
-import os
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from rasd import paths
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict
+from rasd.fsio import atomic_file
 
 SOURCE = "recycling"
 # Prior acceptance weight of the r-th ranked candidate in a row, for the static template. A guess shaped
@@ -101,20 +101,10 @@ class RecyclingMatrix:
     # ------------------------------------------------------------------ persistence
     def save(self, path: Path) -> None:
         """Write atomically (temp file + rename): a crash mid-write leaves the previous file intact."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             tokens, probs = self.tokens.numpy().copy(), self.probs.numpy().copy()
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, tokens=tokens, probs=probs, updates=np.array(self.updates))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(path, "wb") as f:
+            np.savez(f, tokens=tokens, probs=probs, updates=np.array(self.updates))
 
     @classmethod
     def load(cls, path: Path, vocab_size: int, k: int = 8) -> RecyclingMatrix:
@@ -145,9 +135,7 @@ class RecyclingMatrix:
 
 def matrix_path(model_name: str) -> Path:
     """Where a target's recycling matrix is persisted: `$RASD_HOME/recycling/<model>.npz`."""
-    from rasd.decoding.models import rasd_home, slug
-
-    return rasd_home() / "recycling" / f"{slug(model_name)}.npz"
+    return paths.recycling_path(model_name)
 
 
 def template(n: int, k: int, max_depth: int = 10) -> list[tuple[int, int]]:

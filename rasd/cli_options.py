@@ -1,0 +1,70 @@
+"""Command-line options and checks that several subcommands share (`rasd generate`, `rasd ask`, ...).
+
+They live below `rasd.cli` so that subcommands defined in their own packages can use them: nothing imports
+`rasd.cli`. Failures a person can fix become one-line `CliError`s.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rasd.errors import CliError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Model options shared by subcommands."""
+    p.add_argument("--model", default="default", help="HF hub id, local path, or `default` (embedded SmolLM2-135M)")
+    p.add_argument("--draft-model", default=None,
+                   help="small causal LM sharing the target's tokenizer, "
+                        "or `eesd` (the target's own early-exit self-draft)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, top_k_flag: str = "--top-k") -> None:
+    """Sampling options shared by subcommands; `rasd ask` names top-k `--sample-top-k` (its --top-k retrieves)."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(top_k_flag, dest="sample_top_k", type=int, default=0, help="top-k sampling filter (0 = off)")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    """SamplingParams from the shared options; invalid values are one-line errors."""
+    from rasd.decoding.sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def load_target(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Target and optional draft model, turning load failures into one-line errors."""
+    from rasd.decoding.model_loading import ModelLoadError, load_draft, load_model
+
+    try:
+        target = load_model(args.model, device=args.device, dtype=args.dtype)
+        draft = load_draft(args.draft_model, target, getattr(args, "eesd", None))
+    except (ModelLoadError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    return target, draft
+
+
+def check_method(method: str, model: str, draft_model: str | None = None, sizing: str = "cost",
+                 eesd: str | None = None, ldlp: str | None = None) -> None:
+    """Fail before loading any model when the method is unknown or lacks what it needs (its `MethodSpec`)."""
+    from rasd.decoding.proposers.registry import method_spec
+
+    try:
+        method_spec(method).check(model, draft_model, sizing=sizing, eesd=eesd, ldlp=ldlp)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def method_help(default: str) -> str:
+    """`--method` help: the registered methods."""
+    from rasd.decoding.proposers.registry import METHODS
+
+    return f"decoding method (default {default}): one of {', '.join(METHODS)}"

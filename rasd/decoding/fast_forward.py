@@ -1,0 +1,209 @@
+"""A lean forward for Llama-family causal LMs: HF's own operations, without HF's per-module call overhead.
+
+Why: a decoding step of a small model on a CPU is short (SmolLM2-135M: ≈ 64 ms at 1k context, 2 threads),
+and a good part of what is not matrix products is Python: `nn.Module.__call__` hook checks on ~450 modules,
+keyword-argument decorators, output dataclasses, mask building and cache dispatch. A draft forward is
+shorter still (EESD's 5 layers: ≈ 22 ms, of which the linear layers are ≈ 9 ms), so there the overhead is
+most of the cost. This module runs the same tensors through the same operations in the same order —
+embedding, RMSNorm in float32, rotary from the model's own `rotary_emb`, q/k/v/o and MLP through each
+Linear's (possibly `kernels`-patched) `forward`, `scaled_dot_product_attention` with grouped kv heads, the
+final norm and the LM head as modules (so forward hooks on them, such as AdaEAGLE's tap, still fire) — and
+writes keys/values straight into the `TreeCache` layers. Logits match HF's forward bit for bit on the
+architectures it accepts (tests/test_lean.py); anything else goes through HF.
+
+Used only inside `kernels.fast_kernels()` (the engine's fast path); outside it, and for unsupported
+models, `forward` calls the HF model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rasd.decoding.cache import TreeCache, cache_kwargs
+from rasd.decoding.kernels import fast_enabled
+
+# Architectures whose decoder layer is exactly: pre-norm attention (q/k/v/o Linear, rotary, GQA) + pre-norm
+# gated SiLU MLP, RMSNorm in float32 — what `_layer` below computes.
+_SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM"}
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether `forward` may bypass HF for this model (else it calls the model itself)."""
+    cached = getattr(model, "_rasd_lean", None)
+    if cached is None:
+        cached = _check(model)
+        model._rasd_lean = cached
+    return cached
+
+
+def _check(model: torch.nn.Module) -> bool:
+    """Llama/Qwen2 with sdpa attention, SiLU MLP, no sliding window, no tensor-parallel split."""
+    config = getattr(model, "config", None)
+    if config is None or type(model).__name__ not in _SUPPORTED:
+        return False
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(inner, "rotary_emb"):
+        return False
+    return (getattr(config, "_attn_implementation", None) == "sdpa"
+            and getattr(config, "hidden_act", "silu") == "silu"
+            and getattr(config, "pretraining_tp", 1) == 1
+            and not getattr(config, "use_sliding_window", False)
+            and all(hasattr(layer.self_attn, "q_proj") and not hasattr(layer.self_attn, "q_norm")
+                    for layer in layers))
+
+
+def forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+            mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    """Logits [1, T, vocab] (or [1, 1, vocab] with `last_only`) for input_ids [1, T], appending to `cache`.
+
+    mask: additive [1, 1, T, past + T], or None for plain causal attention over the cache.
+    """
+    if not (fast_enabled() and input_ids.device.type == "cpu" and supports(model)):
+        return _hf_forward(model, cache, input_ids, position_ids, mask, last_only)
+    hidden = _decode(model.model, cache, input_ids, position_ids, mask)
+    if last_only:
+        hidden = hidden[:, -1:]
+    return model.lm_head(model.model.norm(hidden))
+
+
+def _hf_forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                mask: torch.Tensor | None, last_only: bool) -> torch.Tensor:
+    extra: dict[str, Any] = {"logits_to_keep": 1} if last_only else {}
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                **cache_kwargs(model, cache), **extra)
+    return out.logits
+
+
+def _decode(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+            mask: torch.Tensor | None) -> torch.Tensor:
+    """Hidden states [1, T, H] after the last decoder layer (before the final norm)."""
+    hidden = F.embedding(input_ids, inner.embed_tokens.weight)           # [1, T, H]
+    cos, sin = inner.rotary_emb.forward(hidden, position_ids)            # [1, T, D] each
+    cos, sin = cos[:, None], sin[:, None]                                # broadcast over heads
+    causal, pad = False, 0
+    if mask is None and input_ids.shape[1] > 1:
+        past = cache.get_seq_length()
+        if past < input_ids.shape[1]:       # the causal kernel, its queries padded over the cache (`_layer`)
+            causal, pad = True, past
+        else:
+            mask = _causal_mask(past, input_ids.shape[1], hidden.dtype, hidden.device)
+    for layer, kv in zip(inner.layers, cache.layers, strict=False):
+        hidden = _layer(layer, kv, hidden, cos, sin, mask, causal, pad)
+    return hidden
+
+
+def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           mask: torch.Tensor | None, causal: bool = False, pad: int = 0) -> torch.Tensor:
+    """One decoder layer, as LlamaDecoderLayer computes it.
+
+    `causal`: the new tokens attend causally to themselves and to all `pad` cached entries before them.
+    Why pad: the causal kernel aligns its triangle to the top left, so the queries get `pad` zero rows in
+    front (dropped afterwards). That runs the kernel on the same shapes as one prefill of the whole prompt,
+    skipping the masked half as it does, and gives the same bits for the new rows (a prefix-cache hit is
+    exact); an explicit mask would make every query visit every key.
+    """
+    attn = layer.self_attn
+    batch, length = hidden.shape[:2]
+    x = _rms(hidden, layer.input_layernorm)
+    shape = (batch, length, -1, attn.head_dim)
+    q = attn.q_proj.forward(x).view(shape).transpose(1, 2)              # [B, H, T, D]
+    k = attn.k_proj.forward(x).view(shape).transpose(1, 2)              # [B, H_kv, T, D]
+    v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    k, v = kv.update(k, v)                                               # [B, H_kv, past + T, D]
+    if pad:
+        q = torch.cat([q.new_zeros((*q.shape[:2], pad, q.shape[-1])), q], dim=2)   # [B, H, past + T, D]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=attn.scaling,
+                                       enable_gqa=True)[:, :, pad:]
+    o = o.transpose(1, 2).reshape(batch, length, -1)                     # [B, T, H * D]
+    return _mlp_block(layer, hidden + attn.o_proj.forward(o))
+
+
+def _mlp_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The layer's second half: pre-norm gated SiLU MLP plus its residual."""
+    mlp = layer.mlp
+    x = _rms(hidden, layer.post_attention_layernorm)
+    return hidden + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+
+
+def _rms(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """LlamaRMSNorm.forward: normalise in float32, scale in the input dtype."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x32.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary_pos_emb for one tensor: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _causal_mask(past: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive [1, 1, T, past + T]: token i sees the cache and new tokens 0..i."""
+    allowed = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(diagonal=past)
+    mask = torch.zeros(length, past + length, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def _prompt_mask(past: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Prompt tokens attending causally: None (use the causal kernel) on an empty cache, else a mask.
+
+    Why both: the causal kernel skips the masked half of the products, but its causal flag aligns to the
+    top-left, so after a cache it would hide the cache; there an explicit mask is needed.
+    """
+    return _causal_mask(past, length, dtype, device) if past else None
+
+
+def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  mask: torch.Tensor, chunk_cache: TreeCache, chunk_ids: torch.Tensor,
+                  chunk_last: bool) -> torch.Tensor:
+    """A batched tree step [B, W] and a chunk of one prompt's prefill [1, C] through the layers together.
+
+    Why: at B·W ≈ 32 tokens a step's matrix products run far below the CPU's peak (they stream every weight
+    for few rows), while a prefill alone is at peak. Stacked, every Linear multiplies B·W + C rows at once,
+    so the prefill rides along on the weights the step reads anyway (vLLM's chunked prefill, on a CPU).
+    Attention stays separate: the rows attend to the batch cache with `mask`, the chunk causally to its own
+    cache. Returns logits [B·W (+ 1), vocab]: the rows' nodes, then the chunk's last position if `chunk_last`.
+    """
+    inner = model.model
+    batch, width = input_ids.shape
+    rows = batch * width
+    past = chunk_cache.get_seq_length()
+    chunk_pos = torch.arange(past, past + chunk_ids.shape[1], device=chunk_ids.device)[None]
+    embed = inner.embed_tokens.weight
+    hidden_d, hidden_c = F.embedding(input_ids, embed), F.embedding(chunk_ids, embed)
+    rope_d = [t[:, None] for t in inner.rotary_emb.forward(hidden_d, position_ids)]       # [B, 1, W, D]
+    rope_c = [t[:, None] for t in inner.rotary_emb.forward(hidden_c, chunk_pos)]          # [1, 1, C, D]
+    mask_c = _prompt_mask(past, chunk_ids.shape[1], hidden_c.dtype, hidden_c.device)
+    hidden = torch.cat([hidden_d.reshape(rows, -1), hidden_c[0]])                         # [B·W + C, H]
+    for layer, kv_d, kv_c in zip(inner.layers, cache.layers, chunk_cache.layers, strict=False):
+        hidden = _layer_mixed(layer, (kv_d, kv_c), hidden, (batch, width), (rope_d, rope_c), (mask, mask_c))
+    out = torch.cat([hidden[:rows], hidden[-1:]]) if chunk_last else hidden[:rows]
+    return model.lm_head(model.model.norm(out))
+
+
+def _layer_mixed(layer: torch.nn.Module, kvs: tuple[Any, Any], hidden: torch.Tensor, shape: tuple[int, int],
+                 ropes: tuple[list[torch.Tensor], list[torch.Tensor]],
+                 masks: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    """`_layer` on stacked rows [B·W + C, H]: shared products, attention per part (mask None: causal)."""
+    attn = layer.self_attn
+    batch, width = shape
+    rows = batch * width
+    x = _rms(hidden, layer.input_layernorm)
+    q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
+    outs = []
+    for part, (kv, (cos, sin), mask) in enumerate(zip(kvs, ropes, masks, strict=True)):
+        sl = slice(0, rows) if part == 0 else slice(rows, None)
+        lead = (batch, width) if part == 0 else (1, hidden.shape[0] - rows)
+        qp, kp, vp = (t[sl].view(*lead, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
+        kp, vp = kv.update(_rotate(kp, cos, sin), vp)
+        o = F.scaled_dot_product_attention(_rotate(qp, cos, sin), kp, vp, attn_mask=mask, is_causal=mask is None,
+                                           scale=attn.scaling, enable_gqa=True)
+        outs.append(o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[-1]))
+    return _mlp_block(layer, hidden + attn.o_proj.forward(torch.cat(outs)))

@@ -1,0 +1,218 @@
+"""The method registry: every decoding method declared once, with what it needs and how it is built.
+
+Why one place: the CLI's checks, the service's 400s, the batch job, `build_decoder`'s cost-sizing options and
+`make_proposer` all read the same `MethodSpec`. Adding a method is one proposer file plus one entry in
+`METHODS` below; nothing else lists method names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rasd.decoding.model_loading import is_self_draft
+from rasd.decoding.proposers.ar import NoDraftProposer
+from rasd.decoding.proposers.base import Proposer
+from rasd.decoding.proposers.draft import DraftModelProposer
+from rasd.decoding.proposers.pld import PromptLookupProposer
+from rasd.decoding.proposers.rasd import RasdProposer
+from rasd.decoding.proposers.recycling import RecyclingProposer
+from rasd.decoding.proposers.retrieval import RetrievalProposer
+from rasd.paths import eesd_path, ldlp_path
+
+# How a method uses a draft model (the target's own early-exit layers count as one, the "self-draft"):
+NO_DRAFT = "none"            # ignores --draft-model
+OPTIONAL_DRAFT = "optional"  # uses one when given, runs without
+REQUIRED_DRAFT = "required"  # cannot run without one
+SELF_DRAFT = "self"          # always the target's EESD self-draft (trained exit layer)
+SELF_BY_DEFAULT = "self-by-default"  # the given draft model, else the self-draft
+
+
+@dataclass
+class ProposerInputs:
+    """What `build` gets: the draft model (an nn.Module), the index's token suffix arrays, the target's
+    shared recycling matrix, the target itself (self-drafts), and the method's options."""
+
+    draft_model: Any = None
+    datastores: list[Any] | None = None
+    recycling: Any = None
+    target_model: Any = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DecoderSetup:
+    """What a method's `configure` hook may adjust before its proposer is built (`build_decoder`)."""
+
+    target: Any                  # LoadedModel
+    draft: Any                   # LoadedModel | None
+    sizing: str
+    options: dict[str, Any]
+    curve_for: Callable[[int], Any]   # context length -> the target's measured cost curve
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One decoding method: its name, what it needs and how to build its proposer."""
+
+    name: str
+    summary: str
+    build: Callable[[ProposerInputs], Proposer]
+    draft: str = NO_DRAFT
+    uses_index: bool = False          # drafts from the index's suffix arrays (the service needs --index)
+    uses_recycling: bool = False      # reads the target's Token Recycling matrix
+    gate_block: int | None = None     # with cost sizing, a DraftGate decides per step whether drafting pays
+    needs_ldlp: bool = False          # a trained draft-length predictor (AdaEAGLE)
+    speculates: bool = True           # False: plain decoding (a tree of the root alone)
+    configure: Callable[[DecoderSetup], None] | None = None   # cost-sizing options set by build_decoder
+
+    def uses_self_draft(self, draft_model: str | None) -> bool:
+        """Whether this method, given `--draft-model draft_model`, drafts with the target's exit layer."""
+        if self.draft == NO_DRAFT:
+            return False
+        return (self.draft == SELF_DRAFT or is_self_draft(draft_model)
+                or (self.draft == SELF_BY_DEFAULT and not draft_model))
+
+    def ldlp_drafter(self, draft_model: str | None) -> str:
+        """The tag an LDLP is trained and stored under for this method's drafter."""
+        return "eesd" if self.uses_self_draft(draft_model) else "draft-model"
+
+    def check(self, model: str, draft_model: str | None = None, has_index: bool | None = None,
+              sizing: str = "cost", eesd: str | None = None, ldlp: str | None = None) -> None:
+        """Raise ValueError (a message a person can act on) when the method cannot run as asked; called
+        before any model loads. `has_index=None`: the caller has no notion of an index (`rasd generate`)."""
+        if self.draft == REQUIRED_DRAFT and not draft_model:
+            raise ValueError(f"method {self.name!r} needs --draft-model (a small model sharing the target's "
+                             f"tokenizer, or `eesd` for the target's own early-exit draft)")
+        if self.uses_index and has_index is False:
+            raise ValueError(f"method {self.name!r} drafts from an index; start the service with --index")
+        if self.uses_self_draft(draft_model):
+            file = Path(eesd) if eesd else eesd_path(model)
+            if not file.exists():
+                raise ValueError(f"method {self.name!r} needs a trained EESD exit layer ({file} is missing): run "
+                                 f"`rasd train eesd --model {model} --data builtin` (or pass --eesd PATH)")
+        if self.needs_ldlp or sizing == "ldlp":
+            self_draft = self.uses_self_draft(draft_model)
+            file = Path(ldlp) if ldlp else ldlp_path(model, self.ldlp_drafter(draft_model))
+            if not file.exists():
+                what = f"method {self.name}" if self.needs_ldlp else "sizing ldlp"
+                raise ValueError(f"{what} needs a trained LDLP ({file} is missing): run `rasd train ldlp --model "
+                                 f"{model} --drafter {'eesd' if self_draft else 'PATH'}` (or pass --ldlp PATH)")
+
+
+# ---------------------------------------------------------------------------------------------- builders
+
+
+def _needs_draft(name: str, inputs: ProposerInputs) -> Any:
+    if inputs.draft_model is None:
+        raise ValueError(f"method {name!r} needs a draft model (--draft-model) sharing the target's tokenizer")
+    return inputs.draft_model
+
+
+def _build_recycling(inputs: ProposerInputs) -> Proposer:
+    if inputs.recycling is None:
+        raise ValueError("method 'recycling' needs the target's recycling matrix (build_decoder makes one)")
+    return RecyclingProposer(inputs.recycling, **inputs.options)
+
+
+def _self_draft_target(name: str, inputs: ProposerInputs) -> Any:
+    if inputs.target_model is None:
+        raise ValueError(f"method {name!r} drafts with the target's own layers: pass target_model")
+    return inputs.target_model
+
+
+def _build_eesd(inputs: ProposerInputs) -> Proposer:
+    from rasd.decoding.proposers.early_exit import make_eesd
+
+    return make_eesd(_self_draft_target("eesd", inputs), **inputs.options)
+
+
+def _build_adaeagle(inputs: ProposerInputs) -> Proposer:
+    from rasd.decoding.proposers.early_exit import make_adaeagle
+
+    return make_adaeagle(_self_draft_target("adaeagle", inputs), draft_model=inputs.draft_model, **inputs.options)
+
+
+# ---------------------------------------------------------------------------------------------- configure
+
+
+def _configure_rasd(setup: DecoderSetup) -> None:
+    """Recycle when the curve is flat; with a draft model, its chain stops where p̂ < δ (cost sizing)."""
+    from rasd.decoding.sizing.cost import curve_is_flat
+
+    options, curve_for = setup.options, setup.curve_for
+    if setup.sizing != "cost":
+        return
+    if "recycle_when" not in options:
+        options.update(recycle_when="auto", flat_curve=lambda n: curve_is_flat(curve_for(n)))
+    if setup.draft is not None and "draft_options" not in options:
+        options["draft_options"] = {"min_prob": None, "target_step_s": lambda n: curve_for(n).latency(1)}
+
+
+def _configure_optree(setup: DecoderSetup) -> None:
+    """δ from the measured plain step and a node cap from the curve; without a draft model, the self-draft."""
+    from rasd.decoding.model_loading import SELF_DRAFT as SELF_DRAFT_SPEC
+    from rasd.decoding.model_loading import load_draft
+    from rasd.decoding.sizing.cost import flat_nodes
+
+    options, curve_for = setup.options, setup.curve_for
+    if setup.sizing == "cost":
+        options.setdefault("target_step_s", lambda context_len: curve_for(context_len).latency(1))
+        options.setdefault("node_cap", lambda context_len: flat_nodes(curve_for(context_len)))
+    if setup.draft is None:
+        setup.draft = load_draft(SELF_DRAFT_SPEC, setup.target, options.pop("eesd", None))
+
+
+def _configure_self_draft(setup: DecoderSetup) -> None:
+    """eesd / adaeagle draft with the target's own layers: `--draft-model eesd` means exactly that."""
+    if setup.draft is not None and is_self_draft(setup.draft.name):
+        setup.draft = None
+    setup.options.setdefault("target_model", setup.target.model)
+    setup.options.setdefault("model_name", setup.target.name)
+
+
+# ---------------------------------------------------------------------------------------------- the registry
+
+_SPECS = (
+    MethodSpec("ar", "plain autoregressive decoding in this engine (the baseline)",
+               lambda i: NoDraftProposer(), speculates=False),
+    MethodSpec("pld", "prompt lookup: n-gram matches in the prompt and output",
+               lambda i: PromptLookupProposer(**i.options)),
+    MethodSpec("draft", "a small draft model's tree",
+               lambda i: DraftModelProposer(_needs_draft("draft", i), **i.options),
+               draft=REQUIRED_DRAFT, gate_block=8),
+    MethodSpec("optree", "OPT-Tree: the draft tree maximising expected acceptance under a node budget",
+               lambda i: DraftModelProposer(_needs_draft("optree", i), shape="optree", **i.options),
+               draft=SELF_BY_DEFAULT, gate_block=8, configure=_configure_optree),
+    MethodSpec("retrieval", "REST: continuations from the index's suffix arrays and the context",
+               lambda i: RetrievalProposer(i.datastores, **i.options), uses_index=True),
+    MethodSpec("recycling", "Token Recycling: a tree grown from the target's own earlier top-k (adjacency matrix)",
+               _build_recycling, uses_recycling=True),
+    MethodSpec("rasd", "RASD: retrieval tree pruned by the draft, fused with it and recycled tokens",
+               lambda i: RasdProposer(i.datastores, draft_model=i.draft_model, recycling=i.recycling, **i.options),
+               draft=OPTIONAL_DRAFT, uses_index=True, uses_recycling=True, gate_block=4, configure=_configure_rasd),
+    MethodSpec("eesd", "EESD: the target's first layers + a trained exit layer, Thompson-sampled length",
+               _build_eesd, draft=SELF_DRAFT, gate_block=8, configure=_configure_self_draft),
+    MethodSpec("adaeagle", "AdaEAGLE: a trained predictor of the draft length (LDLP) over a drafter",
+               _build_adaeagle, draft=SELF_BY_DEFAULT, gate_block=8, needs_ldlp=True,
+               configure=_configure_self_draft),
+)
+METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _SPECS}
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The spec of a method name; ValueError listing the choices otherwise."""
+    spec = METHODS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+    return spec
+
+
+def make_proposer(method: str, draft_model: Any = None, datastores: list[Any] | None = None,
+                  recycling: Any = None, target_model: Any = None, **options: Any) -> Proposer:
+    """Build the proposer for a method name (see `ProposerInputs` for the arguments); a clear ValueError
+    for unknown names or a missing draft model / recycling matrix / target."""
+    inputs = ProposerInputs(draft_model, datastores, recycling, target_model, options)
+    return method_spec(method).build(inputs)

@@ -1,0 +1,209 @@
+"""The target's verification cost curve: forward latency against the number of tree tokens.
+
+On this CPU a 64-token tree costs about 3x one token; on a GPU almost the same as one. Tree sizing is only
+sensible against the real curve of the real model on the real device, so it is measured once per
+(model, device, dtype, torch threads, context bucket) and cached as JSON under `$RASD_HOME/cost/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from bisect import bisect_left
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from rasd.decoding.cache import TreeCache, cache_kwargs
+from rasd.decoding.kernels import fast_kernels, install
+from rasd.decoding.tree import DraftTree
+from rasd.decoding.verify import tree_forward
+from rasd.fsio import atomic_file
+from rasd.paths import cost_dir
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT_BUCKETS = (256, 1024, 2048, 4096)
+# Part of the cache key: bump it whenever the verification kernels change cost, so that curves measured
+# with older kernels are measured again instead of steering tree sizes for ever.
+CURVE_VERSION = 4   # 3: verification through `fast_forward.forward`; 4: a load probe beside the latencies
+# A cached curve whose probe ran this much slower than the probe now was measured on a busy machine.
+STALE_PROBE_RATIO = 1.25
+# A curve read (and its probe checked) in this process is trusted for this long: a service builds a decoder
+# per request, and reading the file plus timing the probe cost ≈ 12 ms of every request's first token.
+TRUSTED_FOR_S = 60.0
+_TRUSTED: dict[Path, tuple[float, CostCurve]] = {}   # curve file -> (when checked, curve)
+
+
+@dataclass
+class CostCurve:
+    """Median forward latency (seconds) for trees of `sizes` tokens (root included)."""
+
+    key: str
+    context_len: int
+    sizes: list[int]
+    latency_s: list[float]
+    probe_s: float | None = None   # `machine_probe()` when the curve was measured (None: not recorded)
+
+    def latency(self, n_tokens: int) -> float:
+        """Interpolated latency of a forward over `n_tokens` tree tokens (linear beyond the last size)."""
+        n = max(1, n_tokens)
+        i = bisect_left(self.sizes, n)
+        if i < len(self.sizes) and self.sizes[i] == n:
+            return self.latency_s[i]
+        if i == 0:
+            return self.latency_s[0]
+        if i == len(self.sizes):
+            i = len(self.sizes) - 1
+        x0, x1 = self.sizes[i - 1], self.sizes[i]
+        y0, y1 = self.latency_s[i - 1], self.latency_s[i]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sizes[-1]
+
+    def relative(self) -> list[float]:
+        """Latency of each size over the latency of one token (what a person wants to see)."""
+        return [lat / self.latency_s[0] for lat in self.latency_s]
+
+
+def machine_probe(rounds: int = 15) -> float:
+    """Fastest of a few runs of a fixed matrix product (≈ 1 ms): how fast this machine is right now.
+
+    Why: a curve measured while another process held the cores (a test run, a training job) is slower
+    at every size, and once cached it would steer tree sizes for ever — every tree would look dear next to
+    a plain step whose real latency the sizer soon observes. Timing the same product when the curve is
+    measured and when it is loaded tells a busy measurement from a slow machine.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 576, generator=gen), torch.randn(576, 1536, generator=gen)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def context_bucket(context_len: int) -> int:
+    """The measured bucket nearest to a context length on a log scale (cost grows slowly with context)."""
+    return min(CONTEXT_BUCKETS, key=lambda b: abs(math.log(b) - math.log(max(context_len, 1))))
+
+
+def curve_key(model: torch.nn.Module, name: str, device: str, dtype: str, bucket: int) -> str:
+    """Cache key: a model identity (name + config hash), device, dtype, threads and context bucket."""
+    cfg = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    digest = hashlib.sha256(cfg.encode()).hexdigest()[:10]
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[-40:]
+    return (f"{safe}-{digest}-{device.replace(':', '')}-{dtype}-t{torch.get_num_threads()}-ctx{bucket}"
+            f"-v{CURVE_VERSION}")
+
+
+@torch.inference_mode()
+def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ...] = DEFAULT_SIZES,
+                  repeats: int = 5, key: str = "", progress: bool = True) -> CostCurve:
+    """Time tree verification forwards of each size on top of a `context_len`-token cache.
+
+    A chain tree is used: the mask shape, not its pattern, decides the cost. The fastest of `repeats`
+    rounds after one warm-up is kept (other processes only ever add time, and a curve measured during a
+    burst of load would otherwise forbid speculation until it is re-measured), and latencies are made
+    non-decreasing (noise must not make a bigger tree look cheaper than a smaller one).
+    """
+    device = next(model.parameters()).device
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(0, vocab, (1, context_len), generator=gen).to(device)
+    install(model)
+    probe = machine_probe()
+    cache = TreeCache.for_model(model)
+    model(input_ids=context, use_cache=True, **cache_kwargs(model, cache))
+    trees = {size: DraftTree.chain(1, [int(t) for t in torch.randint(0, vocab, (size - 1,), generator=gen)],
+                                   "probe") for size in sizes}
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    # Rounds over all sizes (not all repeats of one size in a row), so drift hits every size alike.
+    for rep in tqdm(range(repeats + 1), desc="measuring verification cost curve", disable=not progress,
+                    leave=False):
+        for size in sizes:
+            _sync(device)
+            t0 = time.perf_counter()
+            with fast_kernels():
+                tree_forward(model, cache, trees[size])
+            _sync(device)
+            if rep:
+                times[size].append(time.perf_counter() - t0)
+            cache.crop(-size)
+    probe = (probe + machine_probe()) / 2   # load before and after the timings
+    latencies = [min(times[size]) for size in sizes]
+    for i in range(1, len(latencies)):
+        latencies[i] = max(latencies[i], latencies[i - 1])
+    return CostCurve(key=key, context_len=context_len, sizes=list(sizes), latency_s=latencies, probe_s=probe)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_or_measure(model: torch.nn.Module, name: str, device: str, dtype: str, context_len: int,
+                    cache_dir: Path | None = None) -> CostCurve:
+    """The cached curve for this (model, device, dtype, threads, bucket), measuring it on first use."""
+    bucket = context_bucket(context_len)
+    key = curve_key(model, name, device, dtype, bucket)
+    folder = cache_dir or cost_dir()
+    path = folder / f"{key}.json"
+    trusted = _TRUSTED.get(path)
+    if trusted is not None and time.monotonic() - trusted[0] < TRUSTED_FOR_S and path.exists():
+        return trusted[1]
+    curve = _read_or_measure(model, path, key, bucket)
+    _TRUSTED[path] = (time.monotonic(), curve)
+    return curve
+
+
+def _read_or_measure(model: torch.nn.Module, path: Path, key: str, bucket: int) -> CostCurve:
+    """The curve on disk unless it is unreadable or was measured on a busier machine; else a new one."""
+    if path.exists():
+        try:
+            cached = CostCurve(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            cached = None   # a corrupt file is re-measured, never trusted
+        if cached is not None and not _measured_busy(cached):
+            return cached
+    curve = measure_curve(model, bucket, key=key)
+    _atomic_write_json(path, asdict(curve))
+    return curve
+
+
+FLAT_CURVE_RATIO = 1.15   # verifying 16 tree tokens costs < 15% more than one: extra nodes are nearly free
+
+
+def flat_nodes(curve: CostCurve, ratio: float = FLAT_CURVE_RATIO) -> int:
+    """Draft nodes that verify for at most `ratio` x one token's latency (this CPU: 3; an H200: 63), >= 1.
+
+    OPT-Tree's n, tied to the measured curve: the paper's n = 60 assumes a GPU, where wider trees are free.
+    """
+    one = curve.latency(1)
+    fits = [n for n in curve.sizes if curve.latency(n) <= ratio * one]
+    return max(max(fits, default=1) - 1, 1)
+
+
+def curve_is_flat(curve: CostCurve, tokens: int = 16) -> bool:
+    """Whether a 16-token tree costs about as much as one token (a GPU: 1.00x; this CPU: ≈1.75x)."""
+    return curve.latency(tokens) < FLAT_CURVE_RATIO * curve.latency(1)
+
+
+def _measured_busy(curve: CostCurve) -> bool:
+    """Whether the machine was clearly busier when `curve` was measured than it is now (then re-measure)."""
+    if curve.probe_s is None:
+        return False
+    return curve.probe_s > STALE_PROBE_RATIO * machine_probe()
+
+
+def _atomic_write_json(path: Path, data: dict) -> None:
+    """Write to a temporary file, fsync, rename: readers never see half a file."""
+    with atomic_file(path) as fh:
+        json.dump(data, fh)

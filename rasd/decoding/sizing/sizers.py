@@ -1,0 +1,448 @@
+"""Tree-size policies: how many of the proposed nodes are worth one verification forward.
+
+`CostAwareSizer` maximises expected committed tokens per second of a step,
+
+    value(n) = (1 + Σ_{i ≤ n} p̂_i) / (latency(n + 1) + overhead),
+
+over the n nodes with the largest estimated path-acceptance probability p̂ (the bonus token is the 1).
+p̂ is not trusted from proposers: `AcceptanceEstimator` learns, online, how often a node is accepted given
+that its parent was, per (source, depth, sibling rank, proposer-confidence bucket), with Beta posteriors
+that decay toward a prior so they follow the current request: a source that stopped being tried drifts back
+to the prior mean and gets tried again (optionally, `thompson=True` samples the posteriors instead).
+When nothing pays for its cost, n = 0 and the step is plain decoding: speculation never makes decoding
+markedly slower than `ar`.
+
+Every policy has the same three methods, `budget(context_len)` (nodes to ask proposers for),
+`cut(tree, context_len)` (the prefix-closed subtree to verify) and `observe(tree, accepted, overhead_s,
+verify_s)` (learn from the verdict), and `make_sizer` picks one by name (`SIZINGS`):
+
+- `cost` (default): `CostAwareSizer` above.
+- `fixed`: the `max_nodes` nodes with the best proposer scores; learns nothing.
+- `heuristic`: Hugging Face's assisted-generation schedule as a depth limit: +2 after a step in which every
+  drafted token on the accepted path was accepted (the path ended at a leaf of the verified tree), −1
+  otherwise, never below 1.
+- `threshold`: keep nodes whose path confidence (the proposer's p̂, made monotone) is at least τ = 0.3.
+- `thompson` (EESD): a Beta(α, β) posterior on the per-token acceptance rate θ; each step, level by level,
+  sample θ̃ ~ Beta(α, β) and go one level deeper while θ̃^d (the sampled chance that a depth-d token is
+  reached and accepted) is worth its cost `min_gain`, up to a hard cap; after the verification α += the
+  accepted tokens and β += 1 when a drafted token was rejected.
+- `ldlp` (AdaEAGLE): the trained Lightweight Draft Length Predictor (`rasd.decoding.sizing.ldlp`, trained by
+  `rasd train ldlp`) predicts k from the target's embedding of the root and its final-norm hidden state at
+  the last accepted position; nodes are kept while no ancestor's draft step would have stopped under
+  AdaEAGLE-DDD (step >= k and cumulative draft log-prob < -0.6), up to k_max.
+
+Exactness under sampling: a depth limit that does not look at the current step's tokens keeps every node
+sampled from q with the chain it was drawn in (it is just a shorter draft), so it stays exact. A score cut
+would drop a sampled node *because of its own value*, which biases the proposal away from q: the threshold
+rule therefore decides a sampled node by its parent's confidence (drafting it was decided before it was
+drawn), and deterministic nodes by their own.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rasd.decoding.sizing.cost import CostCurve
+from rasd.decoding.tree import DraftTree
+
+Key = tuple[str, int, int, int, int]
+
+
+def coarse_key(key: Key) -> tuple[str, int]:
+    """The (source, depth) bucket that a fine bucket's estimate falls back to while it has little evidence."""
+    return key[0], key[1]
+
+
+@dataclass
+class AcceptanceEstimator:
+    """Beta(α, β) posteriors of P(node accepted | parent accepted)."""
+
+    prior: tuple[float, float] = (1.0, 1.5)
+    decay: float = 0.98
+    max_depth: int = 8
+    max_rank: int = 2
+    seed: int = 0
+    thompson: bool = False
+    counts: dict[Key | tuple[str, int], list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def key(self, tree: DraftTree, node: int, depth: int, rank: int) -> Key:
+        """Bucket a node by source, depth, sibling rank, the proposer's local confidence and tree bucket."""
+        parent = tree.parents[node]
+        parent_score = tree.scores[parent] if parent > 0 else 1.0
+        local = tree.scores[node] / parent_score if parent_score > 0 else 0.0
+        local = min(local, 1.0) if local > 0 else 0.0      # also NaN -> 0: a bad score must not end the step
+        confidence = min(int(local * 4), 3)
+        return (tree.sources[node], min(depth, self.max_depth), min(rank, self.max_rank), confidence, tree.bucket)
+
+    def rate(self, key: Key) -> float:
+        """A posterior sample (or the mean when `thompson` is off).
+
+        The fine bucket's own evidence is shrunk toward its (source, depth) bucket's rate, not toward the
+        fixed prior: fine buckets are many and most are rarely tried, and a prior of 0.4 for each of them let
+        sizing keep dozens of nodes of a source that is almost never accepted (Token Recycling inside
+        `rasd` on LongBench QA: 1181 recycled nodes verified, 44 accepted, trees 1.8x larger than needed).
+        """
+        pa, pb = self.prior
+        coarse = self.counts.get(coarse_key(key), [pa, pb])
+        mean = coarse[0] / (coarse[0] + coarse[1])
+        a_f, b_f = self.counts.get(key, [pa, pb])
+        a = a_f - pa + (pa + pb) * mean
+        b = b_f - pb + (pa + pb) * (1.0 - mean)
+        if self.thompson:
+            return self._rng.betavariate(a, b)
+        return a / (a + b)
+
+    def node_keys(self, tree: DraftTree) -> list[Key | None]:
+        """The bucket of every node (None for the root)."""
+        depths = tree.depths()
+        rank_of: dict[int, int] = {}
+        seen: dict[int, int] = {}
+        for i in range(1, len(tree)):
+            parent = tree.parents[i]
+            rank_of[i] = seen.get(parent, 0)
+            seen[parent] = rank_of[i] + 1
+        return [None] + [self.key(tree, i, depths[i], rank_of[i]) for i in range(1, len(tree))]
+
+    def path_probs(self, tree: DraftTree) -> list[float]:
+        """p̂ for every node: product of the sampled conditional rates along its path (root = 1)."""
+        keys = self.node_keys(tree)
+        rates: dict[Key, float] = {}
+        probs = [1.0] * len(tree)
+        for i in range(1, len(tree)):
+            k = keys[i]
+            assert k is not None
+            if k not in rates:
+                rates[k] = self.rate(k)
+            probs[i] = probs[tree.parents[i]] * rates[k]
+        return probs
+
+    def update(self, tree: DraftTree, accepted: list[int]) -> None:
+        """Learn from a verified tree: every child of the root or of an accepted node was 'tried'.
+
+        A step without drafts brings no evidence, so it does not decay the posteriors either: a drafter
+        gated off for a while (`rasd.decoding.sizing.gate`) comes back with what was learnt about it.
+        """
+        if len(tree) <= 1:
+            return
+        for a_b in self.counts.values():
+            a_b[0] = self.prior[0] + (a_b[0] - self.prior[0]) * self.decay
+            a_b[1] = self.prior[1] + (a_b[1] - self.prior[1]) * self.decay
+        on_path = {0, *accepted}
+        keys = self.node_keys(tree)
+        for i in range(1, len(tree)):
+            if tree.parents[i] in on_path:
+                k = keys[i]
+                assert k is not None
+                for bucket in (k, coarse_key(k)):
+                    a_b = self.counts.setdefault(bucket, list(self.prior))
+                    a_b[0 if i in on_path else 1] += 1.0
+
+
+class FixedSizer:
+    """Keep at most `max_nodes` nodes by proposer score: no cost model (for tests and GPUs)."""
+
+    def __init__(self, max_nodes: int = 32):
+        self.max_nodes = max_nodes
+
+    def budget(self, context_len: int) -> int:
+        return self.max_nodes
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        return tree.top_nodes(self.max_nodes)
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """Fixed sizing learns nothing."""
+
+
+def rank_nodes(tree: DraftTree, probs: list[float]) -> tuple[list[int], list[int]]:
+    """(sampled, ranked): the nodes drawn from q, and the deterministic ones by p̂, best first.
+
+    Nodes sampled from q are never dropped one by one: their estimates depend on the sampled token
+    (confidence = q(x)), and keeping x only for some values of x would bias the output distribution. The
+    proposer already sized them with `budget()`; only deterministic nodes are ranked and cut. p̂ only falls
+    along a path and ties go to the lower index (a parent's), so every prefix of `ranked` is prefix-closed.
+    """
+    sampled = sorted(tree.q)
+    ranked = sorted((i for i in range(1, len(tree)) if i not in tree.q), key=lambda i: (-probs[i], i))
+    return sampled, ranked
+
+
+class CostAwareSizer:
+    """Choose the tree size that maximises expected tokens per second against the measured cost curve."""
+
+    def __init__(self, curve_for: Callable[[int], CostCurve], max_nodes: int = 64,
+                 estimator: AcceptanceEstimator | None = None, margin: float = 1.05):
+        self.curve_for = curve_for          # context length -> cost curve (cached per bucket)
+        # Speculate only when the best tree beats plain decoding by this factor: picking the maximum of
+        # noisy estimates is biased upwards, and a near-tie is not worth the risk of being slower than `ar`.
+        self.margin = margin
+        self.max_nodes = max_nodes
+        self.estimator = estimator or AcceptanceEstimator()
+        self.overhead_s = 0.0               # EMA of step time spent outside the target forward
+        self.last_choice: tuple[int, int] = (0, 0)   # (nodes offered, nodes kept), for statistics
+        # Online correction of the cached curve: a curve measured while the machine was busy would
+        # otherwise forbid speculation forever. Observed verify time / the curve's, per power-of-two size
+        # class (`size_class`), scales the curve; classes not seen yet take the mean over all observations.
+        # Why ratios pooled by class, not one time per exact size: with a flat curve (a GPU) sizes differ
+        # by less than their timing noise, and the argmax over 64 separately-noisy sizes locked onto a few
+        # lucky ones (H200: `rasd` trees sat at 23 and 30 nodes under a 63-node budget; pooled, they reach
+        # 64 on a fifth of the steps, same speed so far); a ratio also carries over to other context
+        # lengths, where an absolute time does not.
+        self.observed: dict[int, float] = {}
+        self.observed_all: float | None = None
+        self._curve: CostCurve | None = None    # the curve the last `cut` used: `observe` compares with it
+        self.learn_latency = True
+        self.explore_every = 16             # after this many plain steps, try a small tree once
+        self.explore_nodes = 4
+        self.max_backoff = 16
+        self._plain_steps = 0
+        # Exponential backoff: each exploration that gets nothing accepted doubles the wait before the next.
+        # Where drafts never help (free writing), a fixed interval costs ~2% (one bigger forward in 16).
+        self._backoff = 1
+        self._exploring = False
+
+    def latency(self, curve: CostCurve, n_tokens: int) -> float:
+        """The measured curve's latency, scaled by what verifying trees of this size class really took."""
+        ratio = self.observed.get(size_class(n_tokens), self.observed_all)
+        return curve.latency(n_tokens) * (1.0 if ratio is None else ratio)
+
+    def budget(self, context_len: int) -> int:
+        """Largest tree worth asking proposers for: bounded by the curve and by `max_nodes`."""
+        return min(self.max_nodes, self.curve_for(context_len).max_tokens - 1)
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        """The prefix-closed subtree of the best size (possibly just the root)."""
+        curve = self._curve = self.curve_for(context_len)
+        if tree.num_draft_tokens == 0:
+            self.last_choice = (0, 0)
+            return tree
+        probs = self.estimator.path_probs(tree)
+        sampled, ranked = rank_nodes(tree, probs)
+        limit = min(len(ranked), max(self.budget(context_len) - len(sampled), 0))
+        best_n, gain = 0, 1.0 + sum(probs[i] for i in sampled)
+        base = len(sampled) + 1
+        best_value = (self.margin if not sampled else gain) / (self.latency(curve, base) + self.overhead_s)
+        for n in range(1, limit + 1):
+            gain += probs[ranked[n - 1]]
+            value = gain / (self.latency(curve, base + n) + self.overhead_s)
+            if value > best_value:
+                best_n, best_value = n, value
+        self._plain_steps = self._plain_steps + 1 if best_n == 0 else 0
+        self._exploring = False
+        if self._plain_steps >= self.explore_every * self._backoff:   # estimates/costs may be stale: look again
+            best_n, self._plain_steps = min(self.explore_nodes, limit), 0
+            self._exploring = best_n > 0
+        self.last_choice = (tree.num_draft_tokens, best_n + len(sampled))
+        return tree.subtree(sampled + ranked[:best_n])
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """Update acceptance posteriors, the per-step overhead and the observed latency of this size."""
+        self.estimator.update(tree, accepted)
+        if self._exploring:
+            self._backoff = min(2 * self._backoff, self.max_backoff) if not accepted else 1
+            self._exploring = False
+        self.overhead_s = overhead_s if self.overhead_s == 0 else 0.9 * self.overhead_s + 0.1 * overhead_s
+        if verify_s is not None and self.learn_latency and self._curve is not None:
+            ratio = verify_s / self._curve.latency(len(tree))
+            key = size_class(len(tree))
+            old = self.observed.get(key)
+            self.observed[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
+            self.observed_all = ratio if self.observed_all is None else 0.9 * self.observed_all + 0.1 * ratio
+
+
+def size_class(n_tokens: int) -> int:
+    """Tree sizes sharing one latency correction: 1, 2-3, 4-7, ..., 32-63, 64-127 (the curve's own grid)."""
+    return max(1, int(n_tokens)).bit_length()
+
+
+class Sizer(Protocol):
+    """The interface every tree-size policy implements (see the module docstring)."""
+
+    def budget(self, context_len: int) -> int:
+        """Largest tree (draft nodes) worth asking proposers for."""
+        ...
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        """The prefix-closed subtree to verify."""
+        ...
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """Learn from the verdict on `tree` (the tree `cut` returned)."""
+
+
+def depth_cut(tree: DraftTree, limit: int) -> DraftTree:
+    """The nodes at depth <= `limit` (prefix-closed: an ancestor is never deeper than its descendant)."""
+    depths = tree.depths()
+    if max(depths) <= limit:
+        return tree
+    return tree.subtree(i for i in range(1, len(tree)) if depths[i] <= limit)
+
+
+def ended_at_leaf(tree: DraftTree, accepted: list[int]) -> bool:
+    """Whether the accepted path ran out of draft rather than being rejected.
+
+    True when the last accepted node (the root if none) has no children in the verified tree: every
+    drafted token the target looked at on that path was accepted, HF's "all draft tokens accepted".
+    """
+    last = accepted[-1] if accepted else 0
+    return not tree.children(last)
+
+
+class HeuristicSizer:
+    """HF's `num_assistant_tokens_schedule="heuristic"` as a depth limit on the tree.
+
+    HF starts at 20 assistant tokens for GPU-sized models; `initial=5` here because a CPU pays for every
+    token of a tree (docs/lab-notes/decoding-speed.md). `max_depth` caps the growth when proposers stay short.
+    """
+
+    def __init__(self, max_nodes: int = 64, initial: int = 5, max_depth: int = 32):
+        self.max_nodes, self.max_depth = max_nodes, max_depth
+        self.depth = max(1, min(initial, max_depth))
+
+    def budget(self, context_len: int) -> int:
+        return self.max_nodes
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        return depth_cut(tree, self.depth).top_nodes(self.max_nodes)
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """+2 when all drafted tokens on the path were accepted, −1 otherwise (min 1); no draft: no change."""
+        if tree.num_draft_tokens == 0:
+            return
+        if ended_at_leaf(tree, accepted):
+            self.depth = min(self.depth + 2, self.max_depth)
+        else:
+            self.depth = max(self.depth - 1, 1)
+
+
+class ThresholdSizer:
+    """Keep the nodes whose path confidence is at least `threshold` (AdaEAGLE/EAGLE-2-style cut).
+
+    0.3 by default: a node is worth verifying when it is accepted in roughly one step in three, about the
+    cost of one more tree token relative to a plain step on a CPU (docs/lab-notes/decoding-speed.md).
+    """
+
+    def __init__(self, max_nodes: int = 64, threshold: float = 0.3):
+        self.max_nodes, self.threshold = max_nodes, threshold
+
+    def budget(self, context_len: int) -> int:
+        return self.max_nodes
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        scores = tree.monotone_scores()
+        keep = [i for i in range(1, len(tree))
+                if scores[tree.parents[i] if i in tree.q else i] >= self.threshold]
+        return tree.subtree(keep).top_nodes(self.max_nodes)
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """A fixed threshold learns nothing."""
+
+
+class ThompsonSizer:
+    """EESD's Thompson-sampling draft length, as a depth limit on the tree.
+
+    θ (per-token acceptance given the previous token was accepted) has a Beta(α, β) posterior. Level by
+    level, θ̃ ~ Beta(α, β) is sampled and the tree goes one level deeper while θ̃^d >= `min_gain`: acting
+    optimally for a sampled θ is Thompson sampling, so an uncertain posterior sometimes tries deeper drafts
+    and a confident one settles. At least `min_depth` levels are kept (so there is always something to
+    learn from) and at most `max_depth` (the hard cap). Tokens after the first rejection are never judged,
+    so a step adds its accepted tokens to α and at most one rejection to β.
+    """
+
+    def __init__(self, max_nodes: int = 64, prior: tuple[float, float] = (1.0, 1.0), min_gain: float = 0.3,
+                 min_depth: int = 1, max_depth: int = 10, decay: float = 1.0, seed: int = 0):
+        self.max_nodes, self.min_gain = max_nodes, min_gain
+        self.min_depth, self.max_depth, self.decay = min_depth, max_depth, decay
+        self.prior = prior
+        self.alpha, self.beta = prior
+        self.depth = min_depth          # the depth limit chosen by the last `cut`
+        self._rng = random.Random(seed)
+
+    def budget(self, context_len: int) -> int:
+        return self.max_nodes
+
+    def sample_depth(self) -> int:
+        """Go one level deeper while the sampled θ̃^(d+1) pays for the next level."""
+        depth = self.min_depth
+        while depth < self.max_depth:
+            theta = self._rng.betavariate(self.alpha, self.beta)
+            if theta ** (depth + 1) < self.min_gain:
+                break
+            depth += 1
+        return depth
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        self.depth = self.sample_depth()
+        return depth_cut(tree, self.depth).top_nodes(self.max_nodes)
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """α += accepted tokens; β += 1 if the path stopped at a rejection (no draft: nothing learnt)."""
+        if tree.num_draft_tokens == 0:
+            return
+        a0, b0 = self.prior
+        self.alpha = a0 + (self.alpha - a0) * self.decay + len(accepted)
+        self.beta = b0 + (self.beta - b0) * self.decay + (0.0 if ended_at_leaf(tree, accepted) else 1.0)
+
+
+class LDLPSizer:
+    """AdaEAGLE's LDLP + DDD as a cut on any proposed tree (the decision logic lives in `LDLPController`).
+
+    A sampled node is decided by its ancestors' scores only (DDD's stop after a token never looks at the
+    next one), so sampled chains stay exact.
+    """
+
+    def __init__(self, controller: Any, max_nodes: int = 64):
+        self.controller, self.max_nodes = controller, max_nodes
+
+    def budget(self, context_len: int) -> int:
+        return self.max_nodes
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        return self.controller.cut(tree).top_nodes(self.max_nodes)
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """Take the hidden state of the last accepted node for the next prediction."""
+        self.controller.observe(tree, accepted)
+
+
+SIZINGS = ("cost", "fixed", "heuristic", "threshold", "thompson", "ldlp")
+
+
+def make_sizer(name: str, max_nodes: int = 64, curve_for: Callable[[int], CostCurve] | None = None,
+               **options: Any) -> Sizer:
+    """The sizing policy called `name` (see SIZINGS); `cost` needs the target's cost-curve provider."""
+    if name == "cost":
+        if curve_for is None:
+            raise ValueError("sizing 'cost' needs the target's cost curve (curve_for)")
+        return CostAwareSizer(curve_for, max_nodes=max_nodes, **options)
+    if name == "fixed":
+        return FixedSizer(max_nodes)
+    if name == "heuristic":
+        return HeuristicSizer(max_nodes, **options)
+    if name == "threshold":
+        return ThresholdSizer(max_nodes, **options)
+    if name == "thompson":
+        return ThompsonSizer(max_nodes, **options)
+    if name == "ldlp":
+        if "controller" in options:
+            return LDLPSizer(options["controller"], max_nodes)
+        if options.get("target") is None:
+            raise ValueError("sizing 'ldlp' needs the target model and a trained LDLP (`rasd train ldlp`)")
+        from rasd.decoding.sizing.ldlp import load_controller
+
+        return LDLPSizer(load_controller(options["target"], options.get("path"), options.get("model_name", "default"),
+                                         options.get("drafter", "eesd")), max_nodes)
+    raise ValueError(f"unknown sizing {name!r}; choose one of {', '.join(SIZINGS)}")

@@ -1,0 +1,361 @@
+"""Benchmark runners: HF `generate` baselines and our engine, one `RunRecord` per (method, prompt).
+
+Methods run interleaved prompt by prompt (their order rotating) after one untimed warm-up each, so that drift
+of a noisy shared machine hits all methods alike. Speed is the decode phase (tokens after the first new one
+over the time after it arrived); `e2e_tokens_per_s` includes prefill. For HF the first token's arrival is
+taken from a streamer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rasd.eval.datasets import BenchPrompt
+
+if TYPE_CHECKING:
+    from rasd.decoding.model_loading import LoadedModel
+
+HF_METHODS = ("hf", "hf-pld", "hf-assisted")
+HF_PLD_NUM_TOKENS = 10  # HF's prompt-lookup window, the value Spec-Bench and the HF docs use
+WARMUP_MAX_NEW_TOKENS = 16
+
+@dataclass
+class SamplingConfig:
+    """Sampling settings shared by our engine and HF; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def prompt_seed(self, index: int) -> int | None:
+        """A per-prompt seed so sampled runs are reproducible and prompts do not share a random stream."""
+        return None if self.seed is None else self.seed + index
+
+
+@dataclass
+class RunRecord:
+    """One method's generation for one prompt: tokens and the timings the aggregation needs.
+
+    `decode_tokens` / `decode_time_s` are the decode phase: tokens that arrived after the first new
+    token's forward and the time since it. `steps` counts target forwards that produced tokens.
+    """
+
+    method: str
+    index: int
+    question_id: str | int
+    category: str
+    token_ids: list[int]
+    finish_reason: str
+    prefill_time_s: float
+    decode_time_s: float
+    total_time_s: float
+    decode_tokens: int
+    steps: int | None = None
+    mean_accepted_tokens: float | None = None
+    accept_lengths: list[int] | None = None
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    # Per-step detail for `--report` (our engine only; None for HF): draft nodes verified, depth of the
+    # verified tree, and the prompt length (with the accept lengths it gives each step's context length).
+    tree_sizes: list[int] | None = None
+    tree_depths: list[int] | None = None
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode-phase speed of this one prompt; None when there was no decode phase."""
+        if self.decode_tokens <= 0 or self.decode_time_s <= 0:
+            return None
+        return self.decode_tokens / self.decode_time_s
+
+
+class Runner(Protocol):
+    """Anything that can generate for a prompt and report a RunRecord (method/prompt fields left blank)."""
+
+    name: str
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> RunRecord: ...
+
+    def prepare(self, prompts: Sequence[BenchPrompt], max_new_tokens: int) -> None: ...
+
+
+def _sync(device: str) -> None:
+    """Wait for queued GPU work so wall-clock timestamps mean something."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _timing_streamer_class() -> type:
+    """Build the streamer class lazily so importing this module does not import transformers."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class TimingStreamer(BaseStreamer):
+        """Records when HF's first new token arrives and how many tokens each step emitted.
+
+        `generate` first puts the prompt, then each step's accepted tokens (one for plain decoding,
+        the accepted block for prompt lookup / assisted generation).
+        """
+
+        def __init__(self, device: str) -> None:
+            self.device = device
+            self.prompt_seen = False
+            self.first_token_time: float | None = None
+            self.chunks: list[int] = []
+
+        def put(self, value: Any) -> None:
+            if not self.prompt_seen:
+                self.prompt_seen = True
+                return
+            if self.first_token_time is None:
+                _sync(self.device)
+                self.first_token_time = time.perf_counter()
+            self.chunks.append(int(value.numel()))
+
+        def end(self) -> None:
+            pass
+
+    return TimingStreamer
+
+
+@contextlib.contextmanager
+def plain_generation_config(model: Any, eos_ids: Sequence[int], pad_id: int) -> Iterator[None]:
+    """Swap in a bare GenerationConfig while HF generates.
+
+    A model's shipped generation config may add a repetition penalty, sampling defaults or other
+    processors that our engine does not apply; the baseline must be plain decoding of the same
+    distribution, or "speedup" and "greedy match" compare different things.
+    """
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    bos = getattr(saved, "bos_token_id", None)
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=list(eos_ids),
+                                               pad_token_id=pad_id)
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+class HFRunner:
+    """HF `generate` baselines: `hf` (plain), `hf-pld` (prompt lookup), `hf-assisted` (draft model)."""
+
+    def __init__(self, name: str, target: LoadedModel, sampling: SamplingConfig,
+                 draft: LoadedModel | None = None) -> None:
+        if name not in HF_METHODS:
+            raise ValueError(f"unknown HF method {name!r}")
+        if name == "hf-assisted" and draft is None:
+            raise ValueError("hf-assisted needs --draft-model")
+        self.name = name
+        self.target = target
+        self.draft = draft
+        self.sampling = sampling
+        self.eos_ids = sorted(target.eos_token_ids)
+        pad = target.tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
+        self.streamer_cls = _timing_streamer_class()
+
+    def _generate_kwargs(self, max_new_tokens: int) -> dict[str, Any]:
+        """Stopping and decoding settings identical to what our engine gets."""
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": self.eos_ids,
+                                  "pad_token_id": self.pad_id, "min_new_tokens": 0}
+        if self.sampling.greedy:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                          top_k=self.sampling.top_k)
+        if self.name == "hf-pld":
+            kwargs["prompt_lookup_num_tokens"] = HF_PLD_NUM_TOKENS
+        elif self.name == "hf-assisted":
+            kwargs["assistant_model"] = self.draft.model
+        return kwargs
+
+    def prepare(self, prompts: Sequence[BenchPrompt], max_new_tokens: int) -> None:
+        """Nothing to calibrate for HF."""
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> RunRecord:
+        import torch
+
+        model = self.target.model
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.target.device)
+        streamer = self.streamer_cls(self.target.device)
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.inference_mode(), plain_generation_config(model, self.eos_ids, self.pad_id):
+            _sync(self.target.device)
+            start = time.perf_counter()
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer,
+                                 **self._generate_kwargs(max_new_tokens))
+            _sync(self.target.device)
+            end = time.perf_counter()
+        token_ids = out[0, len(prompt_ids):].tolist()
+        return _hf_record(self.name, token_ids, self.eos_ids, streamer.first_token_time, streamer.chunks,
+                          start, end)
+
+
+def _hf_record(method: str, token_ids: list[int], eos_ids: Sequence[int], first_token_time: float | None,
+               chunks: list[int], start: float, end: float) -> RunRecord:
+    """Timings of one HF generation from the streamer's observations.
+
+    Like our engine's statistics, the forward that produced the first new token(s) is prefill; steps and
+    accept lengths count only the forwards after it (so plain `hf` is exactly 1.00 accepted per step).
+    """
+    first = first_token_time if first_token_time is not None else end
+    first_chunk = chunks[0] if chunks else len(token_ids)
+    finish = "eos" if token_ids and token_ids[-1] in set(eos_ids) else "length"
+    decode_chunks = list(chunks[1:])
+    steps = len(decode_chunks)
+    return RunRecord(method=method, index=-1, question_id="", category="", token_ids=token_ids,
+                     finish_reason=finish, prefill_time_s=first - start, decode_time_s=end - first,
+                     total_time_s=end - start, decode_tokens=max(len(token_ids) - first_chunk, 0),
+                     steps=steps, mean_accepted_tokens=(sum(decode_chunks) / steps) if steps else None,
+                     accept_lengths=decode_chunks)
+
+
+class EngineRunner:
+    """Our engine (`ar`, `pld`, `draft`, ...) through `build_decoder`."""
+
+    def __init__(self, name: str, target: LoadedModel, sampling: SamplingConfig,
+                 draft: LoadedModel | None = None) -> None:
+        from rasd.decoding.engine import build_decoder
+
+        self.name = name
+        self.target = target
+        self.sampling = sampling
+        self.eos_ids = set(target.eos_token_ids)
+        self.decoder = build_decoder(target, name, draft=draft)
+        self.curves: dict[str, Any] = {}       # cost curves the sizer used, by key (for the report)
+        self.tree_depths: list[int] = []
+        _record_tree_depths(self.decoder, self.tree_depths)
+
+    def prepare(self, prompts: Sequence[BenchPrompt], max_new_tokens: int) -> None:
+        """Load (or measure, once per context bucket) every cost curve the prompts will need, now.
+
+        The engine measures its verification cost curve lazily on the first step in a new context bucket;
+        that must not happen inside a timed generation, or one prompt absorbs seconds of calibration.
+        """
+        curve_for = getattr(getattr(self.decoder, "sizer", None), "curve_for", None)
+        if not callable(curve_for):
+            return
+        curves = self.__dict__.setdefault("curves", {})
+        for prompt in prompts:
+            start = len(prompt.input_ids)
+            for context_len in range(start, start + max_new_tokens + 1):
+                curve = curve_for(context_len)
+                if getattr(curve, "key", None) is not None:
+                    curves[curve.key] = curve
+
+    def bind(self, prompt: BenchPrompt) -> None:
+        """Point a retrieval proposer at this prompt's datastores and retrieved documents (untimed)."""
+        scope, proposer = prompt.scope, self.decoder.proposer
+        if scope is None:
+            return
+        if hasattr(proposer, "set_datastores"):
+            proposer.set_datastores(scope.datastores)
+        if hasattr(proposer, "scope"):
+            proposer.scope(scope.scope_docs or None)
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> RunRecord:
+        from rasd.decoding.sampling import SamplingParams
+
+        params = SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                                top_k=self.sampling.top_k, seed=seed)
+        self.tree_depths.clear()
+        _sync(self.target.device)
+        start = time.perf_counter()
+        out = self.decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, sampling=params,
+                                    eos_token_ids=self.eos_ids)
+        _sync(self.target.device)
+        wall = time.perf_counter() - start
+        stats = out.stats
+        token_ids = [int(t) for t in out.token_ids]
+        return RunRecord(method=self.name, index=-1, question_id="", category="", token_ids=token_ids,
+                         finish_reason=out.finish_reason, prefill_time_s=stats.prefill_time_s,
+                         decode_time_s=stats.decode_time_s, total_time_s=wall,
+                         decode_tokens=max(len(token_ids) - 1, 0), steps=stats.steps,
+                         mean_accepted_tokens=stats.mean_accepted_tokens,
+                         accept_lengths=list(stats.accept_lengths),
+                         accepted_by_source=dict(stats.accepted_by_source),
+                         tree_sizes=list(stats.tree_sizes),
+                         tree_depths=list(self.tree_depths) if len(self.tree_depths) == stats.steps else None,
+                         drafted_by_source=dict(stats.drafted_by_source))
+
+
+def _record_tree_depths(decoder: Any, depths: list[int]) -> None:
+    """Note the depth of every verified tree into `depths` (DecodeStats keeps sizes, not depths).
+
+    The engine hands each verified tree to `sizer.observe` once per step, right after recording the step,
+    so wrapping this decoder's own sizer instance is enough; nothing else about it changes.
+    """
+    sizer = getattr(decoder, "sizer", None)
+    observe = getattr(sizer, "observe", None)
+    if not callable(observe):
+        return
+
+    def observe_and_record(tree: Any, *args: Any, **kwargs: Any) -> Any:
+        depths.append(max(tree.depths()) if len(tree) > 1 else 0)
+        return observe(tree, *args, **kwargs)
+
+    sizer.observe = observe_and_record
+
+
+def make_runner(name: str, target: LoadedModel, sampling: SamplingConfig,
+                draft: LoadedModel | None = None) -> Runner:
+    """HF baselines by name; every other name is one of our engine's methods."""
+    if name in HF_METHODS:
+        return HFRunner(name, target, sampling, draft)
+    return EngineRunner(name, target, sampling, draft)
+
+
+def rotated(seq: Sequence[Runner], shift: int) -> list[Runner]:
+    """Rotate the method order per prompt so no method always runs right after another (cache effects)."""
+    if not seq:
+        return []
+    shift %= len(seq)
+    return list(seq[shift:]) + list(seq[:shift])
+
+
+def run_prompts(runners: Sequence[Runner], prompts: Sequence[BenchPrompt], max_new_tokens: int,
+                sampling: SamplingConfig, warmup: bool = True, progress: bool = True) -> list[RunRecord]:
+    """Run every method on every prompt, interleaved, after one untimed warm-up per method."""
+    from tqdm.auto import tqdm
+
+    for runner in runners:
+        runner.prepare(prompts, max_new_tokens)
+    if warmup and prompts:
+        warm_tokens = min(max_new_tokens, WARMUP_MAX_NEW_TOKENS)
+        for runner in runners:
+            _bind(runner, prompts[0])
+            runner.run(prompts[0].input_ids, warm_tokens, sampling.prompt_seed(0))
+    records: list[RunRecord] = []
+    for prompt in tqdm(prompts, desc="bench", unit="prompt", disable=not progress, file=sys.stderr):
+        for runner in rotated(runners, prompt.index):
+            _bind(runner, prompt)
+            record = runner.run(prompt.input_ids, max_new_tokens, sampling.prompt_seed(prompt.index))
+            record.method, record.index = runner.name, prompt.index
+            record.prompt_tokens = len(prompt.input_ids)
+            record.question_id, record.category = prompt.item.question_id, prompt.item.category
+            records.append(record)
+    return records
+
+
+def _bind(runner: Runner, prompt: BenchPrompt) -> None:
+    bind = getattr(runner, "bind", None)
+    if callable(bind):
+        bind(prompt)

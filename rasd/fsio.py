@@ -1,0 +1,100 @@
+"""Durable file-system steps: fsync, atomic JSON replace, checksums, a writer lock, crash hooks for tests.
+
+Why each piece:
+- A rename is atomic but not durable until the directory is fsynced, and the renamed files' data is only
+  safe once the files themselves were fsynced; so write → fsync files → fsync dir → rename → fsync parent.
+- One writer at a time per index (an flock on DIR/.lock, released by the kernel if the writer dies), so two
+  `rasd index add` runs cannot both read manifest N and both commit N+1, losing a segment.
+- `RASD_INDEX_CRASH_AT=<stage>` makes the process `os._exit` at that stage, so a test can kill a real
+  process at exactly the points where a crash could corrupt the index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+CRASH_ENV = "RASD_INDEX_CRASH_AT"
+CRASH_EXIT_CODE = 77
+LOCK_NAME = ".lock"
+
+
+def crash_point(stage: str) -> None:
+    """Exit immediately (no cleanup, no flush) when the crash-test hook names this stage."""
+    if os.environ.get(CRASH_ENV) == stage:
+        os._exit(CRASH_EXIT_CODE)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (creations, renames, removals) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path, block: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path | str, mode: str = "w", stage: str | None = None) -> Iterator[Any]:
+    """Open a temporary sibling of `path` for writing; on a clean exit fsync it, rename it over `path` and
+    fsync the directory. Readers see the old file or the new one, never half of one; on an error the
+    temporary is removed and `path` is untouched. `stage` names the crash hook before the rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{id(path):x}")
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        if stage:
+            crash_point(stage)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj: Any, stage: str | None = None) -> None:
+    """Write JSON to a temporary sibling, fsync, rename over `path`, fsync the directory.
+
+    The rename is the commit point: readers see either the old file or the new one, never a mix.
+    `stage` names the crash hook between the fsynced temporary and the rename.
+    """
+    with atomic_file(path, stage=stage) as fh:
+        json.dump(obj, fh, indent=2, sort_keys=False)
+        fh.write("\n")
+
+
+@contextlib.contextmanager
+def writer_lock(root: Path) -> Iterator[None]:
+    """Hold the index's exclusive writer lock (blocking until another writer finishes)."""
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

@@ -1,0 +1,80 @@
+"""The API key check, as an ASGI middleware: it runs before FastAPI reads or validates a body, so an unkeyed
+caller learns nothing about the request schema and cannot make the replica parse a large body.
+
+The key comes from the config (`--api-key`, `api_key:` in serve_config.yaml) or `RASD_API_KEY`, resolved by
+whoever builds the app (the CLI, `serve run`) and passed in, so it applies however the service is started.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+API_KEY_ENV = "RASD_API_KEY"
+# Open without a key: liveness, and the web page's static files (the page itself asks for the key).
+OPEN_PATHS = frozenset({"/healthz", "/", "/favicon.ico"})
+OPEN_PREFIXES = ("/static/",)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+def resolve_api_key(configured: str | None) -> str | None:
+    """The key in force: the configured one, else `RASD_API_KEY`; an empty or blank key is an error, never
+    'no auth' (a key that was meant to apply must not silently not apply)."""
+    key = configured if configured is not None else os.environ.get(API_KEY_ENV)
+    if key is None:
+        return None
+    if not key.strip():
+        raise ValueError(f"the API key is empty (--api-key / api_key / {API_KEY_ENV}); unset it to serve without one")
+    if any(ord(c) < 33 or ord(c) > 126 for c in key):
+        raise ValueError("the API key must be printable ASCII without spaces (it travels in an HTTP header)")
+    return key
+
+
+def is_open(path: str) -> bool:
+    """Whether a path is served without the key."""
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+def key_matches(header: bytes | None, key: str) -> bool:
+    """Constant-time comparison of an `Authorization` header with `Bearer <key>`."""
+    return hmac.compare_digest(header or b"", f"Bearer {key}".encode())
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+UNAUTHORIZED = json.dumps({"error": {
+    "message": "missing or wrong API key (send `Authorization: Bearer <key>`)", "type": "authentication_error",
+    "param": None, "code": 401}}).encode()
+
+
+class ApiKeyMiddleware:
+    """Answers 401 to any HTTP request without the key, except `OPEN_PATHS`. The key is read per request from
+    `key_source` (the replica sets it after the app object was built)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], key_source: Callable[[], str | None]):
+        self.app = app
+        self.key_source = key_source
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = self.key_source()
+        if scope["type"] != "http" or key is None or is_open(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        if key_matches(_header(scope, b"authorization"), key):
+            await self.app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                (b"content-length", str(len(UNAUTHORIZED)).encode())]})
+        await send({"type": "http.response.body", "body": UNAUTHORIZED})

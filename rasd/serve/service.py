@@ -1,0 +1,428 @@
+"""The service's request logic, independent of Ray: validate, build a per-request decoder, stream events.
+
+`Service` owns the target model, the index and one continuous-batching `Scheduler`: every running request
+shares the target's forwards. All of its torch work (loading, warm-up, query and document embedding, each
+request's decoder, the decoding steps) runs on one `ComputeThread` (see `rasd.decoding.compute` for why:
+two threads running torch made every decoding step up to 1.5x slower). The Serve deployment (`serve.py`)
+only maps HTTP onto these methods, so the logic can be tested and reused without an HTTP server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rasd.apps.docqa import Source, fit_sources, scope_proposer
+from rasd.decoding.compute import ComputeThread
+from rasd.decoding.engine import GenerationOutput, build_decoder, vocab_size
+from rasd.decoding.kernels import install
+from rasd.decoding.prefix_cache import PrefixCache
+from rasd.decoding.proposers import METHODS, RecyclingMatrix, method_spec
+from rasd.decoding.proposers.recycling import matrix_path
+from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.scheduler import Overloaded, Scheduler
+from rasd.decoding.sizing.sizers import CostAwareSizer
+from rasd.distributed.draft_worker import DraftPool, check_spec, worker_spec
+from rasd.errors import ApiError
+from rasd.serve.metrics import ServiceMetrics
+from rasd.text import encode_chat, has_chat_template
+
+SAVE_RECYCLING_EVERY = 16   # finished requests between saves of the recycling matrix (2.3 MB, atomic)
+
+
+@dataclass
+class ServeConfig:
+    """Everything a replica needs; plain values so that it travels through Ray and YAML unchanged."""
+
+    model: str = "default"
+    index: str | None = None              # an index folder (`rasd index build`), or None for no documents
+    draft_model: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    method: str = "pld"                   # default for /v1/completions and /v1/chat/completions
+    docqa_method: str = "rasd"            # default for /v1/docqa
+    max_batch: int = 8                    # requests decoded together (one shared forward per step)
+    prefill_chunk: int = 0                # > 0: a joining request is prefilled this many tokens per step
+    prefix_cache_mb: int = 256            # K/V of prompt prefixes kept for later requests (0: off)
+    max_waiting: int = 16                 # queued beyond the batch; more gets 429
+    max_tokens_limit: int = 1024          # the largest max_tokens a request may ask for
+    max_prompt_tokens: int | None = None  # default: the model's context minus room for one token
+    retrieval_shards: int = 0             # > 0: the index is served by this many RetrievalShard actors
+    draft_workers: int = 0                # > 0: `rasd` requests draft in this many DraftWorker actors
+    draft_worker_model: str | None = None  # their model; default draft_model, else "eesd:<model>" (self-draft)
+    draft_worker_options: dict[str, Any] = field(default_factory=dict)  # Ray actor options, e.g. resources
+    draft_timeout_s: float = 2.0          # a draft call slower than this counts as "no draft"
+    verifier_actor: bool = False          # decode in a TargetVerifier actor instead of the HTTP replica
+    verifier_options: dict[str, Any] = field(default_factory=dict)  # its Ray options (num_gpus, resources)
+    api_key: str | None = None
+    threads: int | None = None            # torch threads in the replica (Ray sets OMP_NUM_THREADS=1)
+    served_model_name: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or ("rasd-" + self.model if self.model == "default" else self.model)
+
+
+@dataclass
+class TokenBlock:
+    """A committed block as `Service.events(..., sourced=True)` hands it out."""
+
+    tokens: list[int]
+    sources: list[str]            # per token: "prefill", a draft source, or "bonus"
+    plain_step_s: float | None    # one plain decoding step at the current context (measured cost curve)
+
+
+@dataclass
+class Prepared:
+    """A validated request ready to decode."""
+
+    prompt_ids: list[int]
+    method: str
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    sources: list[Source] = field(default_factory=list)
+
+
+class Service:
+    """Target model + index + scheduler; request handling shared by every HTTP endpoint."""
+
+    def __init__(self, config: ServeConfig, decode_only: bool = False):
+        """`config.verifier_actor`: decoding runs in a `TargetVerifier` actor and this object keeps HTTP-side
+        work (validation, search, ingest). `decode_only`: this object *is* that actor's service."""
+        from rasd.decoding.model_loading import load_model
+
+        self.config = config
+        self.compute = ComputeThread(config.threads)
+        self.target = self.compute.run(load_model, config.model, device=config.device, dtype=config.dtype)
+        self.index = self.compute.run(self._open_index, config.index) if config.index else None
+        self._ingest_lock = threading.Lock()
+        self._warm: dict[str, dict[str, Any]] = {}   # method -> what the last finished request's sizer learned
+        self._finished = 0
+        self.verifier: Any = None
+        self.draft = self.drafts = self.scheduler = self.recycling = None
+        if config.verifier_actor:
+            from rasd.distributed.verifier import RemoteVerifier
+
+            self.verifier = RemoteVerifier(config, Service)
+        else:
+            self.compute.run(self._start_decoding)
+        self.metrics = ServiceMetrics(self.load)
+        self.compute.run(self._warm_up, search=not decode_only, forward=self.verifier is None)
+        self.started = time.time()
+
+    def _start_decoding(self) -> None:
+        """Draft model, draft workers, recycling matrix and the scheduler: what decodes requests here."""
+        from rasd.decoding.model_loading import load_draft
+
+        config = self.config
+        self.draft = load_draft(config.draft_model, self.target)
+        self.drafts = self._start_draft_workers() if config.draft_workers > 0 else None
+        prefix = PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb > 0 else None
+        self.scheduler = Scheduler(self.target.model, max_batch=config.max_batch, max_waiting=config.max_waiting,
+                                   compute=self.compute, prefill_chunk=config.prefill_chunk, prefix_cache=prefix)
+        # Token Recycling's matrix is shared by every request (hot start) and outlives the process on disk.
+        self.recycling_path = matrix_path(self.target.name)
+        self.recycling = RecyclingMatrix.load_or_new(self.recycling_path, vocab_size(self.target.model))
+
+    def _warm_up(self, search: bool, forward: bool) -> None:
+        """Load the query embedder and run the target once before the first request.
+
+        A fresh process pays for its first forward (allocator, kernel selection) and, lazily, for loading
+        the embedder: without this the first requests after a start are a second or more slower each. The
+        skinny-product forms (`kernels.install`, about a second of timings) are chosen here too, not inside
+        the first request's decoder.
+        """
+        if search and self.index is not None:
+            self._search("warm up", 1)
+        if forward:
+            install(self.target.model)
+            with torch.inference_mode():
+                ids = torch.tensor([self.encode_text("Warm up.")], device=self.target.model.device)
+                self.target.model(input_ids=ids)
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests, wherever they decode."""
+        return self.verifier.load() if self.verifier is not None else self.scheduler.load()
+
+    def healthy(self) -> bool:
+        """False when the local scheduler thread has died (a verifier actor is restarted by Ray itself)."""
+        return self.compute.is_alive()
+
+    def reopen_index(self) -> None:
+        """Serve the latest committed index state (after another process added documents)."""
+        if self.config.index:
+            self.index = self.compute.run(self._open_index, self.config.index)
+
+    def _open_index(self, path: str) -> Any:
+        from rasd.index.store import Index, check_tokenizer
+
+        if self.config.retrieval_shards > 0:
+            from rasd.distributed.retrieval import ShardedIndex
+
+            index: Any = ShardedIndex(path, self.config.retrieval_shards)
+        else:
+            index = Index.open(path)
+        check_tokenizer(index.manifest, self.target)
+        return index
+
+    def draft_worker_spec(self) -> str:
+        """What the draft workers load: the configured model, the draft model, else the EESD self-draft."""
+        return worker_spec(self.config.draft_worker_model, self.config.draft_model, self.config.model)
+
+    def _start_draft_workers(self) -> DraftPool:
+        """Named `rasd-draft-<i>` actors in namespace `rasd` (see rasd/distributed/draft_worker.py)."""
+        spec = self.draft_worker_spec()
+        check_spec(spec)
+        return DraftPool(spec, self.config.draft_workers, self.config.draft_worker_options,
+                         device=self.config.device, dtype=self.config.dtype, timeout_s=self.config.draft_timeout_s)
+
+    # ------------------------------------------------------------------ validation
+    def check_model(self, name: str | None) -> None:
+        if name and name not in (self.config.model_name, self.config.model):
+            raise ApiError(404, f"model {name!r} is not served here; this service serves "
+                                f"{self.config.model_name!r}", "not_found_error", "model")
+
+    def check_method(self, method: str) -> None:
+        """400 before any work when the method is unknown or lacks what it needs (an index, a draft model,
+        trained weights under $RASD_HOME): its `MethodSpec` says what that is."""
+        try:
+            method_spec(method).check(self.config.model, self.config.draft_model, has_index=self.index is not None)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="method") from exc
+
+    def prompt_limit(self) -> int:
+        return self.config.max_prompt_tokens or self.target.max_context - 1
+
+    def prepare(self, req: Any, prompt_ids: list[int], default_method: str, default_max: int | None,
+                sources: list[Source] | None = None) -> Prepared:
+        """Check a request's limits and sampling fields; raises ApiError with the field at fault."""
+        if req.n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        method = req.method or default_method
+        self.check_method(method)
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if len(prompt_ids) > self.prompt_limit():
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the limit is {self.prompt_limit()}",
+                           param="prompt")
+        room = self.target.max_context - len(prompt_ids)
+        max_tokens = req.max_tokens or default_max or min(self.config.max_tokens_limit, room)
+        if max_tokens > self.config.max_tokens_limit:
+            raise ApiError(400, f"max_tokens {max_tokens} exceeds this service's limit "
+                                f"{self.config.max_tokens_limit}", param="max_tokens")
+        if max_tokens > room:
+            raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                f"model's context of {self.target.max_context}", param="max_tokens")
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
+        return Prepared(prompt_ids, method, max_tokens, sampling, req.stop_list(), sources or [])
+
+    # ------------------------------------------------------------------ prompts
+    def encode_text(self, text: str) -> list[int]:
+        return [int(t) for t in self.target.tokenizer(text)["input_ids"]]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not has_chat_template(self.target.tokenizer):
+            raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+        return encode_chat(self.target.tokenizer, messages)
+
+    def _search(self, question: str, top_k: int) -> list[Any]:
+        """Vector search; a retrieval shard that is down (and not back in time) is a 503, not a crash."""
+        try:
+            return self.compute.run(self.index.search, question, k=top_k)
+        except Exception as exc:       # Ray's actor errors when the index is sharded
+            if type(exc).__module__.startswith("ray"):
+                raise ApiError(503, f"the retrieval index is unavailable: {type(exc).__name__}",
+                               "service_unavailable") from exc
+            raise
+
+    def docqa_prompt(self, question: str, top_k: int, max_tokens: int | None) -> tuple[list[int], list[Source]]:
+        if self.index is None:
+            raise ApiError(400, "this service has no index; start it with --index", param="question")
+        if not question.strip():
+            raise ApiError(400, "the question is empty", param="question")
+        hits = self._search(question, top_k)
+        sources = [Source.from_hit(h) for h in hits]
+        budget = self.target.max_context - (max_tokens or 256) - 1
+        try:
+            return fit_sources(self.target.tokenizer, question, sources, min(budget, self.prompt_limit()))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="question") from exc
+
+    # ------------------------------------------------------------------ decoding
+    def _stream_for(self, p: Prepared) -> Any:
+        spec = method_spec(p.method)
+        datastores = self.index.datastores() if (self.index is not None and spec.uses_index) else None
+        extra = {"datastores": datastores} if datastores is not None else {}
+        if spec.uses_recycling:
+            extra["recycling"] = self.recycling
+        draft = self.draft
+        if p.method == "rasd" and self.drafts is not None:   # the draft runs in a worker, not here
+            extra["draft_proposer"], draft = self.drafts.remote_draft(), None
+        decoder = build_decoder(self.target, p.method, draft=draft, **extra)
+        warm_start(decoder.sizer, self._warm.get(p.method))
+        if p.sources and self.index is not None:
+            scope_proposer(decoder.proposer, self.index, p.sources)
+        return decoder.stream(p.prompt_ids, p.max_tokens, p.sampling, self.target.eos_token_ids, p.stop)
+
+    async def events(self, p: Prepared, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
+        """("tokens", block)... then ("done", GenerationOutput); the request leaves the batch if abandoned.
+
+        With `sourced`, each block comes as a `TokenBlock` carrying every token's source.
+        """
+        if self.verifier is not None:
+            async for event in self.verifier.events(p, sourced):
+                yield event
+            return
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def sink(kind: str, payload: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
+
+        stream = await self.compute.acall(self._stream_for, p)
+        try:
+            ticket = self.scheduler.submit(stream, sink)
+        except Overloaded as exc:
+            finish_draft(stream)
+            raise ApiError(429, f"the service is at capacity: {exc}", "rate_limit_error") from exc
+        except ValueError as exc:
+            finish_draft(stream)
+            raise ApiError(400, str(exc)) from exc
+        finished, seen = False, 0
+        try:
+            while True:
+                kind, payload = await queue.get()
+                if kind == "error":
+                    finished = True
+                    raise ApiError(500, f"decoding failed: {payload}", "server_error")
+                finished = kind == "done"
+                if finished:
+                    self._warm[p.method] = sizer_state(stream.decoder.sizer)
+                    self._finished += 1
+                    if self._finished % SAVE_RECYCLING_EVERY == 0:
+                        await asyncio.to_thread(self.save_recycling)
+                if sourced and kind == "tokens":
+                    # token_sources only grows, and a block's sources are appended before it is handed out
+                    sources = stream.token_sources[seen: seen + len(payload)]
+                    seen += len(payload)
+                    payload = TokenBlock(list(payload), sources, stream.plain_step_s)
+                yield kind, payload
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.scheduler.cancel(ticket)
+            finish_draft(stream)
+
+    def save_recycling(self) -> None:
+        """Persist the recycling matrix (atomic: a crash mid-save keeps the previous file)."""
+        self.recycling.save(self.recycling_path)
+
+    async def run(self, p: Prepared) -> GenerationOutput:
+        """Decode to completion (non-streaming requests)."""
+        async for kind, payload in self.events(p):
+            if kind == "done":
+                return payload
+        raise ApiError(500, "decoding ended without a result", "server_error")
+
+    def info(self) -> dict[str, Any]:
+        """What the web page shows about this service."""
+        index = self.index
+        return {"model": self.config.model_name, "method": self.config.method,
+                "docqa_method": self.config.docqa_method, "methods": list(METHODS),
+                "max_tokens_limit": self.config.max_tokens_limit,
+                "index": None if index is None else {"num_documents": index.num_documents,
+                                                     "num_chunks": index.num_chunks},
+                "draft_workers": self.draft_stats(),
+                "verifier": None if self.verifier is None else self.verifier.name}
+
+    def draft_stats(self) -> dict[str, Any] | None:
+        """The draft workers' counters wherever they run (in the verifier actor, or here); None without any."""
+        if self.verifier is not None:
+            return self.verifier.info()["draft_workers"]
+        return None if self.drafts is None else self.drafts.stats()
+
+    # ------------------------------------------------------------------ documents
+    def add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Append documents as a new index segment (durable when this returns), then serve from it."""
+        return self.compute.run(self._add_documents, docs)
+
+    def _add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
+        """On the compute thread: embedding runs torch (and decoding pauses meanwhile)."""
+        from rasd.index.documents import Document
+        from rasd.index.writer import add_documents
+
+        if self.index is None:
+            raise ApiError(400, "this service has no index; start it with --index", param="documents")
+        documents = [Document(text=d["text"], title=d.get("title", ""), source=d.get("source", ""),
+                              external_id=d.get("id")) for d in docs]
+        with self._ingest_lock:
+            before = self.index.num_documents
+            index = add_documents(self.index.root, documents, model=self.config.model)
+            if hasattr(self.index, "refresh"):      # sharded: the shards reopen the new committed state
+                self.index.refresh()
+                index = self.index
+            self.index = index
+            if self.verifier is not None:           # its token datastores must include the new segment
+                self.verifier.refresh_index()
+        return {"added": index.num_documents - before, "num_documents": index.num_documents,
+                "num_chunks": index.num_chunks}
+
+    def close(self) -> None:
+        """Replica shutdown: stop the scheduler, keep what was recycled for the next start."""
+        if self.verifier is not None:
+            self.verifier.close()
+            self.compute.close()
+            return
+        self.scheduler.close()
+        self.compute.close()
+        if self.drafts is not None:
+            self.drafts.close()
+        try:
+            self.save_recycling()
+        except OSError:
+            pass   # a read-only home must not turn a clean shutdown into a crash
+
+
+def finish_draft(stream: Any) -> None:
+    """Free a finished request's draft state on its draft worker (a no-op for in-process drafts)."""
+    finish = getattr(getattr(stream.decoder.proposer, "draft", None), "finish", None)
+    if callable(finish):
+        finish()
+
+
+def default_threads() -> int:
+    """All cores of the node: one replica decodes for everyone (batching), so it should use them all."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+def sizer_state(sizer: Any) -> dict[str, Any]:
+    """What a cost-aware sizer learned in one request (acceptance posteriors, latencies, overhead)."""
+    if not isinstance(sizer, CostAwareSizer):
+        return {}
+    return {"counts": copy.deepcopy(sizer.estimator.counts), "observed": dict(sizer.observed),
+            "observed_all": sizer.observed_all, "overhead_s": sizer.overhead_s}
+
+
+def warm_start(sizer: Any, state: dict[str, Any] | None) -> None:
+    """Start a request's sizer from the last finished request's state instead of the prior.
+
+    Why: a fresh sizer spends its first steps trying trees the previous request already learned not to
+    try (one request alone through the service ran at 0.91x HF end to end with cold sizers). Only the
+    decoding speed depends on it; the output never does.
+    """
+    if state and isinstance(sizer, CostAwareSizer):
+        sizer.estimator.counts = copy.deepcopy(state["counts"])
+        sizer.observed = dict(state["observed"])
+        sizer.observed_all = state.get("observed_all")
+        sizer.overhead_s = state["overhead_s"]
