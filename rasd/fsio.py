@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,8 @@ def atomic_file(path: Path | str, mode: str = "w", stage: str | None = None) -> 
     temporary is removed and `path` is untouched. `stage` names the crash hook before the rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{id(path):x}")
+    # `<name>.tmp-<pid>-<thread>`: unique per writer, and recognisable as a leftover after a crash
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
             yield fh
