@@ -45,7 +45,7 @@ def streams_for(target: Any, index: Any, method: str, requests: int, max_tokens:
 
 
 def per_request_sizing(batch: BatchDecoder, streams: list[Any]) -> None:
-    """The sizing before `batch_sizing`: every stream cuts its own tree, the batch caps each row's share."""
+    """The sizing before `sizing.batch`: every stream cuts its own tree, the batch caps each row's share."""
     batch._curve = lambda: None            # no batch cost model: `_size` falls back to an equal share
     batch.max_batch_tokens = 64
     for stream in streams:

@@ -32,9 +32,8 @@ from rasd.decoding.kernels import fast_kernels
 from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.sizing.batch import BatchSizer
 from rasd.decoding.sizing.cost import CostCurve
-from rasd.decoding.sizing.sizers import CostAwareSizer
 from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict, accept_greedy, accept_sampling
+from rasd.decoding.verify import accept, batch_inputs
 
 
 class SlotLayer(GrowableLayer):
@@ -177,33 +176,6 @@ class BatchCache(TreeCache):
                 layer._point()
 
 
-def batch_inputs(trees: Sequence[DraftTree], row_lengths: Sequence[int], past_len: int, dtype: torch.dtype,
-                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids [B, T], position_ids [B, T] and the additive mask [B, 1, T, past_len + T].
-
-    T is the largest tree. A shorter tree is padded with copies of its root that see the row's context
-    and themselves only (a fully masked query row would give NaNs); their outputs are ignored and their
-    cache entries dropped by `keep_rows`.
-    """
-    batch, width = len(trees), max(len(t) for t in trees)
-    input_ids = torch.zeros(batch, width, dtype=torch.long)
-    position_ids = torch.zeros(batch, width, dtype=torch.long)
-    visible = torch.zeros(batch, width, past_len + width, dtype=torch.bool)
-    for b, (tree, length) in enumerate(zip(trees, row_lengths, strict=True)):
-        n = len(tree)
-        input_ids[b, :n] = torch.tensor(tree.tokens)
-        input_ids[b, n:] = tree.tokens[0]
-        position_ids[b, :n] = torch.tensor(tree.depths()) + length
-        position_ids[b, n:] = length
-        visible[b, :, :length] = True
-        visible[b, :n, past_len: past_len + n] = tree.ancestor_mask()
-        pads = torch.arange(n, width)
-        visible[b, pads, past_len + pads] = True
-    mask = torch.zeros(batch, width, past_len + width, dtype=dtype)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return input_ids.to(device), position_ids.to(device), mask[:, None].to(device)
-
-
 @dataclass
 class PrefillJob:
     """A request whose prompt is prefilled chunk by chunk alongside the batch's steps."""
@@ -238,7 +210,7 @@ class BatchDecoder:
         self.model = model
         self.fast = fast
         # Rows are padded to the largest tree, so one big tree makes every row pay for it: with several
-        # requests one width is chosen for the whole step (`batch_sizing`), never more than this many tree
+        # requests one width is chosen for the whole step (`sizing.batch`), never more than this many tree
         # tokens in all; the single-request sizer alone decides when the batch holds one request.
         self.max_batch_tokens = max_batch_tokens
         self.sizer = BatchSizer(max_tokens=max_batch_tokens)
@@ -331,7 +303,7 @@ class BatchDecoder:
     def _step(self) -> list[tuple[GenerationStream, list[int]]]:
         t0 = time.perf_counter()
         batched = len(self.streams) > 1
-        proposals = [stream.propose(batched=batched) for stream in self.streams]
+        proposals = [self._propose(stream, batched) for stream in self.streams]
         stopped = [b for b, (tree, _) in enumerate(proposals) if tree is None]   # reached the model's context
         results: list[tuple[GenerationStream, list[int]]] = [(self.streams[b], []) for b in stopped]
         proposals = [proposals[b] for b in self._drop(stopped)]
@@ -356,15 +328,24 @@ class BatchDecoder:
                 stream.finish()
         return results
 
+    @staticmethod
+    def _propose(stream: GenerationStream, batched: bool) -> tuple[DraftTree | None, float]:
+        """A row's tree and the time it took; left uncut when the batch sizes it with the others."""
+        t0 = time.perf_counter()
+        tree = stream.propose()
+        if tree is not None and not (batched and stream.decoder.sizer.batch_sized):
+            tree = stream.size(tree)
+        return tree, time.perf_counter() - t0
+
     def _curve(self, context_sum: int) -> CostCurve | None:
         """The single-row cost curve at the batch's mean context (None when no row sizes by cost)."""
-        sizers = [s.decoder.sizer for s in self.streams if isinstance(s.decoder.sizer, CostAwareSizer)]
+        sizers = [s.decoder.sizer for s in self.streams if s.decoder.sizer.batch_sized]
         if not sizers:
             return None
         return sizers[0].curve_for(context_sum // len(self.streams))
 
     def _size(self, trees: list[DraftTree], curve: CostCurve | None, context_sum: int) -> list[DraftTree]:
-        """One width for the step (`batch_sizing`); without any cost-aware row, an equal share per row."""
+        """One width for the step (`sizing.batch`); without any cost-aware row, an equal share per row."""
         if curve is not None:
             return self.sizer.cut(trees, [s.decoder.sizer for s in self.streams], curve, context_sum)
         share = max(1, self.max_batch_tokens // len(trees))
@@ -386,17 +367,12 @@ class BatchDecoder:
         else:
             logits, first = self._forward_with_chunk(job, ids, pos, mask)
         forward_s[0] = time.perf_counter() - t0
-        verdicts: list[Verdict] = []
-        for b, (stream, tree) in enumerate(zip(self.streams, trees, strict=True)):
-            row = logits[b, : len(tree)]
-            if stream.sampling.greedy:
-                verdicts.append(accept_greedy(tree, row))
-            else:
-                verdicts.append(accept_sampling(tree, row, stream.sampling, stream.gen))
+        verdicts = [accept(tree, logits[b, : len(tree)], stream.sampling, stream.gen)
+                    for b, (stream, tree) in enumerate(zip(self.streams, trees, strict=True))]
         cache.keep_rows(past_len, [[0, *v.accepted] for v in verdicts])
         verify_s = (time.perf_counter() - t0) / len(trees)   # each request's share of the shared forward
-        own = len(trees) == 1 and job is None
-        results = [(stream, stream.commit(tree, verdict, logits[b, : len(tree)], draft_s[b], verify_s, own))
+        alone = verify_s if len(trees) == 1 and job is None else None   # a forward of this row's tree only
+        results = [(stream, stream.commit(tree, verdict, logits[b, : len(tree)], draft_s[b], verify_s, alone))
                    for b, (stream, tree, verdict) in enumerate(zip(self.streams, trees, verdicts, strict=True))]
         if job is not None and first is not None:   # after the rows' compaction: the new row joins at the end
             self.prefilling.popleft()

@@ -22,7 +22,7 @@ from rasd.decoding.proposers.registry import DecoderSetup, make_proposer, method
 from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
 from rasd.decoding.sizing.cost import context_bucket, load_or_measure
 from rasd.decoding.sizing.gate import DraftGate
-from rasd.decoding.sizing.sizers import CostAwareSizer, FixedSizer, Sizer, make_sizer
+from rasd.decoding.sizing.sizers import FixedSizer, Sizer, make_sizer
 from rasd.decoding.stats import DecodeStats
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict, verify
@@ -86,7 +86,7 @@ class SpeculativeDecoder:
     """Lossless speculative decoding of one request at a time with any proposer."""
 
     def __init__(self, model: torch.nn.Module, proposer: Proposer, *, tokenizer: Any = None,
-                 sizer: CostAwareSizer | FixedSizer | None = None, max_context: int | None = None,
+                 sizer: Sizer | None = None, max_context: int | None = None,
                  method: str | None = None, fast: bool = True):
         self.model = install(model) if fast else model
         self.fast = fast
@@ -169,12 +169,15 @@ class GenerationStream:
 
     def step(self, cache: TreeCache) -> list[int]:
         """One propose → verify → commit round on this request's own cache."""
-        tree, draft_s = self.propose()
+        t0 = time.perf_counter()
+        tree = self.propose()
         if tree is None:
             return []
+        tree = self.size(tree)
         t1 = time.perf_counter()
         verdict, logits = verify(self.decoder.model, cache, tree, self.sampling, self.gen)
-        return self.commit(tree, verdict, logits, draft_s, time.perf_counter() - t1)
+        verify_s = time.perf_counter() - t1
+        return self.commit(tree, verdict, logits, t1 - t0, verify_s, alone_s=verify_s)
 
     def begin(self, cache: TreeCache, cached: int = 0) -> list[int]:
         """Prefill into `cache` (one row) and return the first new token as a block.
@@ -206,33 +209,32 @@ class GenerationStream:
         self.stats.prefill_time_s = time.perf_counter() - self._t_start
         return [first]
 
-    def propose(self, batched: bool = False) -> tuple[DraftTree | None, float]:
-        """The tree to verify next (root = last committed token) and the time spent making it.
-
-        None when the request has reached the model's context and must stop. `batched`: a batch sizes this
-        tree together with the other rows (`batch_sizing`), so a cost-aware sizer leaves it uncut here.
-        """
+    def propose(self) -> DraftTree | None:
+        """The proposer's tree for the next step (root = last committed token), within the sizer's budget and
+        the model's context; None when the request has reached the context and must stop. Uncut: `size`
+        cuts it alone, or a batch sizes it with the other rows' trees (`sizing.batch`)."""
         dec = self.decoder
         if len(self.context) >= dec.max_context:
             self.reason = "length"
-            return None, 0.0
-        t0 = time.perf_counter()
+            return None
         room = dec.max_context - len(self.context) - 1
-        budget = min(dec.sizer.budget(len(self.context)), room)
-        if isinstance(dec.sizer, CostAwareSizer):   # memoised by the sizer's budget() just above
-            self.plain_step_s = dec.sizer.curve_for(len(self.context)).latency(1)
+        budget = max(min(dec.sizer.budget(len(self.context)), room), 0)
+        self.plain_step_s = dec.sizer.plain_step_s(len(self.context))
         tree = dec.proposer.propose(self.context, budget) if budget > 0 else DraftTree.root_only(self.context[-1])
         self.stats.pruned_nodes += tree.pruned
-        if not (batched and isinstance(dec.sizer, CostAwareSizer)):
-            tree = dec.sizer.cut(tree, len(self.context))
-        return tree.top_nodes(max(budget, 0)), time.perf_counter() - t0
+        return tree.top_nodes(budget)
+
+    def size(self, tree: DraftTree) -> DraftTree:
+        """This request's sizer cuts its tree to what pays on its own."""
+        return self.decoder.sizer.cut(tree, len(self.context))
 
     def commit(self, tree: DraftTree, verdict: Verdict, logits: torch.Tensor, draft_s: float,
-               verify_s: float, own_forward: bool = True) -> list[int]:
+               verify_s: float, alone_s: float | None) -> list[int]:
         """Apply a verdict: cut at stop conditions, record statistics, let proposer and sizer learn.
 
-        `own_forward` is False when the tree was verified in a batch: `verify_s` is then this row's share
-        of a shared forward, which must not teach the single-request sizer what a tree of this size costs.
+        `verify_s`: this request's share of the verification forward (statistics). `alone_s`: the time of a
+        forward that verified this tree alone, which teaches the sizer what a tree of this size costs; None
+        when the forward was shared with other rows (its time says nothing about one tree).
         """
         dec, stats = self.decoder, self.stats
         t2 = time.perf_counter()
@@ -245,7 +247,7 @@ class GenerationStream:
         self.generated += block
         dec.proposer.observe(self.context, tree, verdict, logits)
         overhead = draft_s + (time.perf_counter() - t2)
-        dec.sizer.observe(tree, verdict.accepted, overhead, verify_s=verify_s if own_forward else None)
+        dec.sizer.observe(tree, verdict.accepted, overhead, verify_s=alone_s)
         stats.draft_time_s += draft_s
         stats.verify_time_s += verify_s
         stats.bookkeeping_time_s += time.perf_counter() - t2

@@ -7,6 +7,7 @@ distribution a draft token was sampled from (known only for sampled drafts).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,21 +30,40 @@ class Verdict:
         return [tree.tokens[i] for i in self.accepted] + [self.bonus]
 
 
+def batch_inputs(trees: Sequence[DraftTree], row_lengths: Sequence[int], past_len: int, dtype: torch.dtype,
+                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids [B, T], position_ids [B, T] and the additive mask [B, 1, T, past_len + T] for the trees of
+    B rows appended at the shared end `past_len` of a right-padded cache whose row b holds `row_lengths[b]`.
+
+    Every node sees its row's committed context and exactly its own ancestors in the tree; its position is
+    the row's length + depth, so a node's logits equal those of decoding its path sequentially. T is the
+    largest tree; a shorter tree is padded with copies of its root that see the row's context and themselves
+    only (a fully masked query row would give NaNs); their outputs are ignored and their cache entries
+    dropped by `keep_rows`.
+    """
+    batch, width = len(trees), max(len(t) for t in trees)
+    input_ids = torch.zeros(batch, width, dtype=torch.long)
+    position_ids = torch.zeros(batch, width, dtype=torch.long)
+    visible = torch.zeros(batch, width, past_len + width, dtype=torch.bool)
+    for b, (tree, length) in enumerate(zip(trees, row_lengths, strict=True)):
+        n = len(tree)
+        input_ids[b, :n] = torch.tensor(tree.tokens)
+        input_ids[b, n:] = tree.tokens[0]
+        position_ids[b, :n] = torch.tensor(tree.depths()) + length
+        position_ids[b, n:] = length
+        visible[b, :, :length] = True
+        visible[b, :n, past_len: past_len + n] = tree.ancestor_mask()
+        pads = torch.arange(n, width)
+        visible[b, pads, past_len + pads] = True
+    mask = torch.zeros(batch, width, past_len + width, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return input_ids.to(device), position_ids.to(device), mask[:, None].to(device)
+
+
 def tree_inputs(tree: DraftTree, past_len: int, dtype: torch.dtype, device: torch.device | str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids [1, T], position_ids [1, T] and the 4-D additive mask [1, 1, T, past_len + T].
-
-    Every node sees the whole committed context and exactly its own ancestors in the tree; its position is
-    past_len + depth, so a node's logits equal those of decoding its path sequentially.
-    """
-    n = len(tree)
-    input_ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
-    position_ids = torch.tensor([[past_len + d for d in tree.depths()]], dtype=torch.long, device=device)
-    visible = torch.ones(n, past_len + n, dtype=torch.bool)
-    visible[:, past_len:] = tree.ancestor_mask()
-    mask = torch.zeros(n, past_len + n, dtype=dtype)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return input_ids, position_ids, mask[None, None].to(device)
+    """`batch_inputs` for one request's tree on its own cache: [1, T], [1, T], [1, 1, T, past_len + T]."""
+    return batch_inputs([tree], [past_len], past_len, dtype, device)
 
 
 @torch.inference_mode()
@@ -128,6 +148,15 @@ def _try_candidate(p: torch.Tensor, x: int, q: torch.Tensor | None, gen: torch.G
     return residual / total, False
 
 
+def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None
+           ) -> Verdict:
+    """The verdict on one tree from its target logits [T, vocab]: greedy match, or exact sampling."""
+    if params.greedy:
+        return accept_greedy(tree, logits)
+    assert gen is not None
+    return accept_sampling(tree, logits, params, gen)
+
+
 @torch.inference_mode()
 def verify(model: torch.nn.Module, cache: TreeCache, tree: DraftTree, params: SamplingParams,
            gen: torch.Generator | None) -> tuple[Verdict, torch.Tensor]:
@@ -138,10 +167,6 @@ def verify(model: torch.nn.Module, cache: TreeCache, tree: DraftTree, params: Sa
     """
     past_len = cache.get_seq_length()
     logits = tree_forward(model, cache, tree)
-    if params.greedy:
-        verdict = accept_greedy(tree, logits)
-    else:
-        assert gen is not None
-        verdict = accept_sampling(tree, logits, params, gen)
+    verdict = accept(tree, logits, params, gen)
     cache.keep(past_len, [0, *verdict.accepted])
     return verdict, logits

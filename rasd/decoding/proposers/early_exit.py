@@ -10,7 +10,7 @@ exactly like a separate draft model (`DraftModelProposer`): sharing the target's
 layers would save the draft's catch-up forward over newly committed tokens (one short forward per step), but
 the target's cache also holds tree entries until compaction; correctness first.
 
-Draft length: `eesd` samples it by Thompson sampling (`control.ThompsonSizer.sample_depth`: a Beta(α, β)
+Draft length: `eesd` samples it by Thompson sampling (`sizing.sizers.ThompsonSizer.sample_depth`: a Beta(α, β)
 posterior on per-token acceptance, sampled level by level, hard cap; α/β updated from each verdict).
 `adaeagle` predicts k with the LDLP and stops by AdaEAGLE-DDD (`rasd.decoding.sizing.ldlp`). Greedy: a chain of
 argmax tokens (`eesd` also hangs each chain token's two runner-ups on as leaves: free from the same

@@ -2,7 +2,7 @@
 
 A batched forward pads every row to the widest tree ([B, W] tokens), so a row's tree size is not its own
 business: one request with a 30-node tree makes seven others pay for 30. The single-request sizer
-(`control.CostAwareSizer`) cannot see that, and the batch's cost is not the single-row curve either: at
+(`sizers.CostAwareSizer`) cannot see that, and the batch's cost is not the single-row curve either: at
 B rows of context L each, attention reads B·L keys per query token, which on this CPU made an 8 x 8 step
 (64 tokens) cost 345 ms against 190 ms for 64 tokens in one row.
 
@@ -21,7 +21,7 @@ large widths are tried early and priced by what they really cost.
 
 Only rows whose sizer is cost-aware are re-sized. A row under another policy (`fixed`, `thompson`, ...)
 keeps the tree its own sizer cut, and nodes sampled from q are never dropped one by one (see
-`control`): such rows only set a lower bound on W.
+`sizers`): such rows only set a lower bound on W.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rasd.decoding.sizing.cost import CostCurve
-from rasd.decoding.sizing.sizers import CostAwareSizer, rank_nodes
+from rasd.decoding.sizing.sizers import Sizer, rank_nodes
 from rasd.decoding.tree import DraftTree
 
 
@@ -96,9 +96,9 @@ class RowPlan:
         return 1 + len(self.kept)
 
 
-def plan_row(tree: DraftTree, sizer: object) -> RowPlan:
+def plan_row(tree: DraftTree, sizer: Sizer) -> RowPlan:
     """Rank a row's nodes by its own acceptance estimates; a row under another policy keeps its tree."""
-    if not isinstance(sizer, CostAwareSizer):
+    if not sizer.batch_sized:
         return RowPlan(tree, [], [], list(range(1, len(tree))))
     probs = sizer.estimator.path_probs(tree)
     sampled, ranked = rank_nodes(tree, probs)
@@ -130,7 +130,7 @@ class BatchSizer:
                 best_w, best_value = w, value
         return best_w
 
-    def cut(self, trees: Sequence[DraftTree], sizers: Sequence[object], curve: CostCurve,
+    def cut(self, trees: Sequence[DraftTree], sizers: Sequence[Sizer], curve: CostCurve,
             context_sum: int) -> list[DraftTree]:
         """Every row's tree for this step (a row may end up smaller than W when it has fewer candidates)."""
         plans = [plan_row(tree, sizer) for tree, sizer in zip(trees, sizers, strict=True)]

@@ -1,6 +1,6 @@
 """Whether to run a model drafter at all this step: a two-armed bandit on committed tokens per second.
 
-Why: the cost-aware sizer (`control.CostAwareSizer`) can drop every drafted node when they do not pay, but
+Why: the cost-aware sizer (`sizers.CostAwareSizer`) can drop every drafted node when they do not pay, but
 by then the draft forwards have been paid for. On a CPU a self-draft token costs about a quarter of a target
 step (EESD, N = 4 of 30 layers): where it is rarely right (Spec-Bench translation: 0.12 accepted tokens per
 step) drafting makes decoding slower than plain decoding, and where retrieval already has the continuation

@@ -144,7 +144,17 @@ class AcceptanceEstimator:
                     a_b[0 if i in on_path else 1] += 1.0
 
 
-class FixedSizer:
+class SizerDefaults:
+    """What a policy without a cost curve answers: no plain-step estimate, and a batch keeps its own cut."""
+
+    batch_sized = False   # True: a batch may size this row's tree jointly with the others (`sizing.batch`)
+
+    def plain_step_s(self, context_len: int) -> float | None:
+        """The measured latency of one plain decoding step at this context, when the policy knows it."""
+        return None
+
+
+class FixedSizer(SizerDefaults):
     """Keep at most `max_nodes` nodes by proposer score: no cost model (for tests and GPUs)."""
 
     def __init__(self, max_nodes: int = 32):
@@ -174,8 +184,10 @@ def rank_nodes(tree: DraftTree, probs: list[float]) -> tuple[list[int], list[int
     return sampled, ranked
 
 
-class CostAwareSizer:
+class CostAwareSizer(SizerDefaults):
     """Choose the tree size that maximises expected tokens per second against the measured cost curve."""
+
+    batch_sized = True   # its acceptance estimates let a batch rank this row's nodes against the others'
 
     def __init__(self, curve_for: Callable[[int], CostCurve], max_nodes: int = 64,
                  estimator: AcceptanceEstimator | None = None, margin: float = 1.05):
@@ -216,6 +228,10 @@ class CostAwareSizer:
     def budget(self, context_len: int) -> int:
         """Largest tree worth asking proposers for: bounded by the curve and by `max_nodes`."""
         return min(self.max_nodes, self.curve_for(context_len).max_tokens - 1)
+
+    def plain_step_s(self, context_len: int) -> float:
+        """One plain step's measured latency at this context (memoised per bucket by `curve_for`)."""
+        return self.curve_for(context_len).latency(1)
 
     def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
         """The prefix-closed subtree of the best size (possibly just the root)."""
@@ -266,8 +282,14 @@ def size_class(n_tokens: int) -> int:
 class Sizer(Protocol):
     """The interface every tree-size policy implements (see the module docstring)."""
 
+    batch_sized: bool
+
     def budget(self, context_len: int) -> int:
         """Largest tree (draft nodes) worth asking proposers for."""
+        ...
+
+    def plain_step_s(self, context_len: int) -> float | None:
+        """Latency of one plain decoding step at this context, if the policy measured it."""
         ...
 
     def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
@@ -297,7 +319,7 @@ def ended_at_leaf(tree: DraftTree, accepted: list[int]) -> bool:
     return not tree.children(last)
 
 
-class HeuristicSizer:
+class HeuristicSizer(SizerDefaults):
     """HF's `num_assistant_tokens_schedule="heuristic"` as a depth limit on the tree.
 
     HF starts at 20 assistant tokens for GPU-sized models; `initial=5` here because a CPU pays for every
@@ -325,7 +347,7 @@ class HeuristicSizer:
             self.depth = max(self.depth - 1, 1)
 
 
-class ThresholdSizer:
+class ThresholdSizer(SizerDefaults):
     """Keep the nodes whose path confidence is at least `threshold` (AdaEAGLE/EAGLE-2-style cut).
 
     0.3 by default: a node is worth verifying when it is accepted in roughly one step in three, about the
@@ -349,7 +371,7 @@ class ThresholdSizer:
         """A fixed threshold learns nothing."""
 
 
-class ThompsonSizer:
+class ThompsonSizer(SizerDefaults):
     """EESD's Thompson-sampling draft length, as a depth limit on the tree.
 
     θ (per-token acceptance given the previous token was accepted) has a Beta(α, β) posterior. Level by
@@ -396,7 +418,7 @@ class ThompsonSizer:
         self.beta = b0 + (self.beta - b0) * self.decay + (0.0 if ended_at_leaf(tree, accepted) else 1.0)
 
 
-class LDLPSizer:
+class LDLPSizer(SizerDefaults):
     """AdaEAGLE's LDLP + DDD as a cut on any proposed tree (the decision logic lives in `LDLPController`).
 
     A sampled node is decided by its ancestors' scores only (DDD's stop after a token never looks at the
