@@ -1,6 +1,6 @@
 """Faster skinny matrix multiplies and tree attention for verification on CPU.
 
-Verification multiplies a few activations (M = tree size, 2..64) by every weight matrix. Which BLAS kernel
+Verification multiplies a few activations (M = tree size, 1..64) by every weight matrix. Which BLAS kernel
 is fastest for such skinny products depends on the CPU. On one machine (AVX2, no AVX-512) `F.linear(x, W)`
 for 2 <= M <= 16 cost about 2x the M = 1 case (the LM head, 49152 x 576: 20 ms vs 9 ms), while the same
 product written as `(W @ x.T).T` took 5 ms. On another (AVX-512) it is the reverse up to M = 8 (the
@@ -10,10 +10,11 @@ by `_mkl_reorder_linear_weight`, what torch.compile uses for CPU linears), skips
 that dominates these products at 4 <= M <= 16: on the AVX-512 machine the 576 -> 1536 product at M = 8
 takes 53 us instead of 84, the LM head 4.3 ms instead of 7.8. Its rows do not depend on M (a row's result is
 the same alone or among 63 others). So the choice is measured, not assumed: when `install` patches a model,
-every form is timed a few times for each weight shape and M bucket (2, 4, ..., 64) and the fastest is kept
+every form is timed a few times for each weight shape and M bucket (1, 2, 4, ..., 64) and the fastest is kept
 for the process (a shape first met later is timed then; `linear_choices()` shows them;
-`RASD_LINEAR=stock|transposed|packed` forces one). A packed weight is refreshed when the weight changes.
-A transposed product comes out column-major; it is copied to a row-major layout, because a query whose last
+`RASD_LINEAR=stock|transposed|packed|padded` forces one). One row (a plain step) is tuned too: there some
+BLAS builds take a slow matrix-vector path, and the row padded to two or MKL's packed product is faster.
+A packed weight is refreshed when the weight changes. A transposed product comes out column-major; it is copied to a row-major layout, because a query whose last
 dimension is strided sends `scaled_dot_product_attention` down its slow math path.
 
 Tree steps also pass the grouped key/value heads to the attention kernel as they are (`enable_gqa`) instead
@@ -39,8 +40,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 _state = threading.local()
 _STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
-STOCK, TRANSPOSED, PACKED = "stock", "transposed", "packed"
-_FORMS = (STOCK, TRANSPOSED, PACKED)
+STOCK, TRANSPOSED, PACKED, PADDED = "stock", "transposed", "packed", "padded"
+_FORMS = (STOCK, TRANSPOSED, PACKED, PADDED)
 _CHOICES: dict[tuple[Any, ...], str] = {}   # (out, in, M bucket, dtype, threads, head) -> form
 _TUNE_ROUNDS = 5
 _MAX_TUNED_ROWS = 64   # trees; a prefill (hundreds of rows) is not skinny: stock, and no timing on the way
@@ -62,21 +63,27 @@ def packing_available() -> bool:
 
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`F.linear`, or for M >= 2 rows on CPU inside `fast_kernels()`, the form measured fastest for M."""
+    """`F.linear`, or on CPU inside `fast_kernels()` for 1-64 rows, the form measured fastest for M."""
     if not fast_enabled() or x.device.type != "cpu" or x.dim() < 2:
         return F.linear(x, self.weight, self.bias)
     rows = x.reshape(-1, x.shape[-1])   # [M, in]
     head = getattr(self, "_rasd_head", False)
-    form = _form(self.weight, rows.shape[0], head) if 2 <= rows.shape[0] <= _MAX_TUNED_ROWS else STOCK
+    form = _form(self.weight, rows.shape[0], head) if rows.shape[0] <= _MAX_TUNED_ROWS else STOCK
     if form == STOCK:
         return F.linear(x, self.weight, self.bias)
     if form == PACKED:
         out = torch.ops.mkl._mkl_linear(rows, _packed_weight(self), self.weight, self.bias, rows.shape[0])
     else:
-        out = _transposed(self.weight, rows, head)
+        out = _padded(self.weight, rows, head) if form == PADDED else _transposed(self.weight, rows, head)
         if self.bias is not None:
             out = out + self.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _padded(weight: torch.Tensor, row: torch.Tensor, head: bool) -> torch.Tensor:
+    """One row as the first of two, transposed: [1, out]. Some BLAS builds take a slow matrix-vector path
+    for a single row (the LM head on an AVX2 EPYC: 13.4 ms alone, 10.1 ms as two rows)."""
+    return _transposed(weight, torch.cat([row, torch.zeros_like(row)]), head)[:1]
 
 
 def _transposed(weight: torch.Tensor, rows: torch.Tensor, head: bool) -> torch.Tensor:
@@ -118,6 +125,8 @@ def _form(weight: torch.Tensor, rows: int, head: bool) -> str:
         forced = os.environ.get("RASD_LINEAR", "auto")
         if forced == PACKED and not _can_pack(weight):
             forced = STOCK
+        if forced == PADDED and key[2] != 1:   # padding is a one-row form
+            forced = TRANSPOSED
         choice = forced if forced in _FORMS else _time_forms(weight, key[2], head)
         _CHOICES[key] = choice
     return choice
@@ -131,7 +140,11 @@ def _can_pack(weight: torch.Tensor) -> bool:
 def _time_forms(weight: torch.Tensor, rows: int, head: bool) -> str:
     """Best of a few interleaved timings of each form; another form must beat `F.linear` by 10% to be used."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    forms: dict[str, Any] = {STOCK: lambda: F.linear(x, weight), TRANSPOSED: lambda: _transposed(weight, x, head)}
+    forms: dict[str, Any] = {STOCK: lambda: F.linear(x, weight)}
+    if rows == 1:   # a plain decoding step (and a draft model's chain): matrix-vector kernels vary the most
+        forms[PADDED] = lambda: _padded(weight, x, head)
+    else:
+        forms[TRANSPOSED] = lambda: _transposed(weight, x, head)
     if _can_pack(weight):
         packed = _pack(weight)
         forms[PACKED] = lambda: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
@@ -146,7 +159,7 @@ def _time_forms(weight: torch.Tensor, rows: int, head: bool) -> str:
 
 
 def linear_choices() -> dict[str, str]:
-    """What was measured so far, readable: "out x in @ M" -> "stock" | "transposed" | "packed"."""
+    """What was measured so far, readable: "out x in @ M" -> "stock" | "transposed" | "packed" | "padded"."""
     return {f"{k[0]}x{k[1]}@{k[2]}{' head' if k[5] else ''}": v
             for k, v in sorted(_CHOICES.items(), key=lambda kv: kv[0][:3])}
 
@@ -193,7 +206,7 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
         if not isinstance(module, torch.nn.Linear) or weight is None or weight.device.type != "cpu":
             continue
         is_head = module is head
-        forms = {_form(weight, 1 << b, is_head) for b in range(1, _MAX_TUNED_ROWS.bit_length())}
+        forms = {_form(weight, 1 << b, is_head) for b in range(_MAX_TUNED_ROWS.bit_length())}
         if PACKED in forms:
             _packed_weight(module)
 
