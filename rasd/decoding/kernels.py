@@ -14,8 +14,9 @@ every form is timed a few times for each weight shape and M bucket (1, 2, 4, ...
 for the process (a shape first met later is timed then; `linear_choices()` shows them;
 `RASD_LINEAR=stock|transposed|packed|padded` forces one). One row (a plain step) is tuned too: there some
 BLAS builds take a slow matrix-vector path, and the row padded to two or MKL's packed product is faster.
-A packed weight is refreshed when the weight changes. A transposed product comes out column-major; it is copied to a row-major layout, because a query whose last
-dimension is strided sends `scaled_dot_product_attention` down its slow math path.
+A packed weight is refreshed when the weight changes. A transposed product comes out column-major; it is
+copied to a row-major layout, because a query whose last dimension is strided sends
+`scaled_dot_product_attention` down its slow math path.
 
 Tree steps also pass the grouped key/value heads to the attention kernel as they are (`enable_gqa`) instead
 of HF's `repeat_kv` copy of the whole cache. Only inside `fast_kernels()`: HF baselines sharing the module
