@@ -26,6 +26,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ray import serve
 
 from rasd.serve.auth import ApiKeyMiddleware, resolve_api_key
+from rasd.serve.limits import BodyLimitMiddleware, Limits, check_chat, check_documents, check_prompt, check_question
 from rasd.serve.metrics import CONTENT_TYPE
 from rasd.serve.openai import (
     FINISH_REASONS,
@@ -48,8 +49,10 @@ from rasd.text import Detokenizer, SourcedText
 APP_NAME = "rasd"
 
 api = FastAPI(title="rasd", description="Retrieval-augmented speculative decoding: lossless, faster answers")
-api.state.api_key = None       # set by the replica; the middleware checks it before any body is read
-api.add_middleware(ApiKeyMiddleware, key_source=lambda: api.state.api_key)
+api.state.api_key = None       # set by the replica; the middlewares check key and size before a body is read
+api.state.limits = Limits()
+api.add_middleware(BodyLimitMiddleware, limits_source=lambda: api.state.limits)
+api.add_middleware(ApiKeyMiddleware, key_source=lambda: api.state.api_key)   # added last: runs first
 
 
 @api.exception_handler(ApiError)
@@ -101,7 +104,8 @@ class RasdServer:
         self.config = ServeConfig(**config)
         self.service = Service(self.config)
         self.api_key = resolve_api_key(self.config.api_key)
-        api.state.api_key = self.api_key
+        self.limits = Limits(**self.config.limits)
+        api.state.api_key, api.state.limits = self.api_key, self.limits
 
     def __del__(self) -> None:
         """Serve calls this when it shuts a replica down: persist the recycling matrix (hot next start)."""
@@ -157,19 +161,23 @@ class RasdServer:
     # ------------------------------------------------------------------ generation
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Any:
+        check_prompt(body, self.limits)
         self.service.check_model(body.model)
-        prepared = self.service.prepare(body, self.service.encode_text(body.prompt_text()), self.config.method, 16)
+        ids = await asyncio.to_thread(self.service.encode_text, body.prompt_text())
+        prepared = self.service.prepare(body, ids, self.config.method, 16)
         return await self._generate("completions", body, prepared, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatRequest) -> Any:
+        check_chat(body, self.limits)
         self.service.check_model(body.model)
-        ids = self.service.encode_chat([m.model_dump() for m in body.messages])
+        ids = await asyncio.to_thread(self.service.encode_chat, [m.model_dump() for m in body.messages])
         prepared = self.service.prepare(body, ids, self.config.method, None)
         return await self._generate("chat", body, prepared, chat=True)
 
     @api.post("/v1/docqa")
     async def docqa(self, body: DocQARequest) -> Any:
+        check_question(body, self.limits)
         ids, sources = await asyncio.to_thread(self.service.docqa_prompt, body.question, body.top_k_sources,
                                                body.max_tokens)
         prepared = self.service.prepare(body, ids, self.config.docqa_method, 256, sources)
@@ -185,6 +193,7 @@ class RasdServer:
 
     @api.post("/v1/documents")
     async def documents(self, body: DocumentsRequest) -> dict[str, Any]:
+        check_documents(body, self.limits)
         try:
             return await asyncio.to_thread(self.service.add_documents, [d.model_dump() for d in body.documents])
         except ValueError as exc:
@@ -269,6 +278,7 @@ def check_config(args: dict[str, Any]) -> None:
     unknown = sorted(set(args) - {f.name for f in fields(ServeConfig)})
     if unknown:
         raise ValueError(f"unknown serve config keys: {', '.join(unknown)}")
+    check_limits(args.get("limits") or {})
     for key, low in CONFIG_MINIMUMS.items():
         if args.get(key) is not None and int(args[key]) < low:
             raise ValueError(f"{key} must be >= {low} (got {args[key]})")
@@ -282,6 +292,18 @@ def app_args(args: dict[str, Any] | None) -> dict[str, Any]:
     args["api_key"] = resolve_api_key(args.get("api_key"))
     args.setdefault("threads", default_threads())
     return args
+
+
+def check_limits(limits: dict[str, Any]) -> None:
+    """ValueError for a limit name `Limits` does not have, or a value that is not a positive integer."""
+    if not isinstance(limits, dict):
+        raise ValueError("limits must be a mapping of limit names to positive integers")
+    unknown = sorted(set(limits) - set(Limits.names()))
+    if unknown:
+        raise ValueError(f"unknown limits: {', '.join(unknown)} (known: {', '.join(Limits.names())})")
+    for name, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"limit {name} must be a positive integer (got {value!r})")
 
 
 def build_app(args: dict[str, Any] | None = None) -> Any:
@@ -308,7 +330,8 @@ def config_from_args(args: Any) -> dict[str, Any]:
             "max_batch": args.max_batch, "prefill_chunk": getattr(args, "prefill_chunk", 0),
             "prefix_cache_mb": getattr(args, "prefix_cache_mb", 256),
             "max_waiting": args.max_waiting, "max_tokens_limit": args.max_tokens_limit,
-            "api_key": _cli_api_key(args.api_key), "threads": args.threads or default_threads(),
+            "api_key": _cli_api_key(args.api_key), "limits": _cli_limits(getattr(args, "limit", None)),
+            "threads": args.threads or default_threads(),
             "retrieval_shards": getattr(args, "retrieval_shards", 0), **draft_worker_config(args),
             **verifier_config(args)}
 
@@ -322,6 +345,19 @@ def _cli_api_key(flag: str | None) -> str | None:
         return resolve_api_key(flag)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
+
+
+def _cli_limits(pairs: list[str] | None) -> dict[str, int]:
+    """`--limit NAME=VALUE` (repeatable) as the `limits` mapping; a one-line error for a malformed pair."""
+    from rasd.errors import CliError
+
+    limits: dict[str, int] = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise CliError(f"--limit takes NAME=INTEGER (got {pair!r}); names: {', '.join(Limits.names())}")
+        limits[name.strip()] = int(value)
+    return limits
 
 
 def verifier_config(args: Any) -> dict[str, Any]:
@@ -408,15 +444,17 @@ def run_serve(args: Any) -> int:
         check_config(config)
     except ValueError as exc:
         raise CliError(str(exc).replace("_", "-")) from exc
+    ray_host = getattr(args, "ray_host", LOOPBACK)
     if args.detach and not args.address:
-        ensure_local_cluster()
+        ensure_local_cluster(ray_host)
         address: str | None = "auto"
     else:
         address = args.address
     if address is None:                      # ray.init starts the local Ray: it inherits this environment
         os.environ.update(ray_env())
+    local = {"_node_ip_address": ray_host} if address is None else {}   # a Ray started here binds ray_host
     ray.init(address=address, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, **local)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
@@ -457,13 +495,23 @@ def _ray_cli() -> str:
     return str(local) if local.exists() else "ray"
 
 
-def ensure_local_cluster() -> None:
+LOOPBACK = "127.0.0.1"
+
+
+def head_start_args(ray_host: str = LOOPBACK) -> list[str]:
+    """`ray start` arguments of the local head `rasd serve` starts: its servers (GCS, raylet, object manager,
+    workers) bind `ray_host`, by default this machine only; no dashboard; token auth stays Ray's default."""
+    return ["start", "--head", f"--node-ip-address={ray_host}", "--include-dashboard=false",
+            "--disable-usage-stats"]
+
+
+def ensure_local_cluster(ray_host: str = LOOPBACK) -> None:
     """Start a local head node that outlives this process (a detached service needs one)."""
     probe = subprocess.run([_ray_cli(), "status"], capture_output=True, text=True)
     if probe.returncode == 0:
         return
-    started = subprocess.run([_ray_cli(), "start", "--head", "--include-dashboard=false", "--disable-usage-stats"],
-                             capture_output=True, text=True, env=ray_env())
+    started = subprocess.run([_ray_cli(), *head_start_args(ray_host)], capture_output=True, text=True,
+                             env=ray_env())
     if started.returncode != 0:
         from rasd.errors import CliError
 

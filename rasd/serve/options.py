@@ -21,6 +21,9 @@ def register(subparsers: Any) -> Any:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` (or set {API_KEY_ENV})")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    p.add_argument("--ray-host", default="127.0.0.1",
+                   help="address the Ray that `rasd serve` starts binds (default 127.0.0.1: this machine only; "
+                        "a head other nodes join needs a reachable one, see docs/serving.md)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="prefill a request that joins running ones this many prompt tokens per step (0: at once)")
@@ -29,6 +32,10 @@ def register(subparsers: Any) -> Any:
                         "this many MiB (0: off)")
     p.add_argument("--max-waiting", type=int, default=16, help="queued requests beyond the batch (then 429)")
     p.add_argument("--max-tokens-limit", type=int, default=1024)
+    p.add_argument("--limit", action="append", metavar="NAME=VALUE",
+                   help="a request size limit, repeatable: max_body_bytes, max_ingest_bytes, max_prompt_chars, "
+                        "max_messages, max_stop, max_stop_chars, max_documents, max_document_chars, "
+                        "max_field_chars (docs/serving.md)")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the replica (default: all cores)")
     p.add_argument("--retrieval-shards", type=int, default=0,
                    help="serve the index from this many RetrievalShard actors (by segment; 0 = in the replica)")

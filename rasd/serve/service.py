@@ -55,6 +55,7 @@ class ServeConfig:
     max_waiting: int = 16                 # queued beyond the batch; more gets 429
     max_tokens_limit: int = 1024          # the largest max_tokens a request may ask for
     max_prompt_tokens: int | None = None  # default: the model's context minus room for one token
+    limits: dict[str, int] = field(default_factory=dict)   # request size limits (`limits.Limits` names)
     retrieval_shards: int = 0             # > 0: the index is served by this many RetrievalShard actors
     draft_workers: int = 0                # > 0: `rasd` requests draft in this many DraftWorker actors
     draft_worker_model: str | None = None  # their model; default draft_model, else "eesd:<model>" (self-draft)

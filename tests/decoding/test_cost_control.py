@@ -1,0 +1,336 @@
+"""Cost curves (interpolation, buckets, on-disk cache) and tree sizing (acceptance estimates, cost-aware cut)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import rasd.decoding.sizing.cost as cost_mod
+from rasd.decoding.sizing.cost import (
+    CONTEXT_BUCKETS,
+    CostCurve,
+    context_bucket,
+    curve_key,
+    load_or_measure,
+    measure_curve,
+)
+from rasd.decoding.sizing.sizers import AcceptanceEstimator, CostAwareSizer, FixedSizer
+from rasd.decoding.tree import DraftTree
+from tests.helpers import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def curve(latencies: list[float], sizes: list[int] | None = None) -> CostCurve:
+    sizes = sizes or [1, 2, 4, 8]
+    return CostCurve(key="k", context_len=256, sizes=sizes, latency_s=latencies)
+
+
+def test_latency_interpolation_and_extrapolation() -> None:
+    c = curve([1.0, 1.5, 2.5, 4.5])
+    assert c.latency(1) == 1.0 and c.latency(2) == 1.5 and c.latency(8) == 4.5   # measured points
+    assert c.latency(3) == pytest.approx(2.0)                                      # between 2 and 4
+    assert c.latency(6) == pytest.approx(3.5)                                      # between 4 and 8
+    assert c.latency(10) == pytest.approx(5.5)                                     # last segment's slope
+    assert c.latency(0) == 1.0 and c.latency(-3) == 1.0                            # at least one token
+    assert c.max_tokens == 8
+    assert c.relative() == pytest.approx([1.0, 1.5, 2.5, 4.5])
+    values = [c.latency(n) for n in range(0, 40)]
+    assert all(b >= a for a, b in zip(values, values[1:], strict=False)), "monotone curve, monotone latency"
+    sparse = curve([0.06, 0.105, 0.13, 0.19], sizes=[1, 16, 32, 64])
+    assert sparse.latency(2) == pytest.approx(0.06 + 0.045 / 15)
+    assert sparse.latency(48) == pytest.approx(0.16)
+
+
+def test_context_bucket() -> None:
+    """Lengths map onto measured buckets: every bucket to itself, monotonically, extremes to the ends."""
+    assert list(CONTEXT_BUCKETS) == sorted(CONTEXT_BUCKETS)
+    for bucket in CONTEXT_BUCKETS:
+        assert context_bucket(bucket) == bucket
+    lengths = [1, 10, 100, 255, 256, 257, 600, 1024, 1500, 3000, 4096, 100_000]
+    buckets = [context_bucket(n) for n in lengths]
+    assert all(b in CONTEXT_BUCKETS for b in buckets)
+    assert buckets == sorted(buckets)
+    assert buckets[0] == CONTEXT_BUCKETS[0] and buckets[-1] == CONTEXT_BUCKETS[-1]
+
+
+def test_curve_key_separates_what_matters() -> None:
+    a, b = tiny_llama(0), tiny_llama(0, vocab=80)
+    key = curve_key(a, "m", "cpu", "float32", 256)
+    assert key == curve_key(tiny_llama(0), "m", "cpu", "float32", 256)        # same config, same key
+    others = {curve_key(b, "m", "cpu", "float32", 256), curve_key(a, "n", "cpu", "float32", 256),
+              curve_key(a, "m", "cuda:0", "float32", 256), curve_key(a, "m", "cpu", "bfloat16", 256),
+              curve_key(a, "m", "cpu", "float32", 1024)}
+    assert key not in others and len(others) == 5
+    assert "/" not in curve_key(a, "org/some model", "cpu", "float32", 256)   # a safe file name
+
+
+def test_measure_curve_is_monotone() -> None:
+    model = tiny_llama(0)
+    c = measure_curve(model, 40, sizes=(1, 4, 16, 32), repeats=2, key="x", progress=False)
+    assert c.sizes == [1, 4, 16, 32] and c.context_len == 40 and c.key == "x"
+    assert len(c.latency_s) == 4 and all(t > 0 for t in c.latency_s)
+    assert all(b >= a for a, b in zip(c.latency_s, c.latency_s[1:], strict=False))
+
+
+def test_load_or_measure_caches_to_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_llama(0)
+    calls: list[int] = []
+    real = cost_mod.measure_curve
+
+    def quick_measure(model, context_len, key="", **kwargs):   # noqa: ANN001, ANN202
+        calls.append(context_len)
+        return real(model, context_len, sizes=(1, 2, 8), repeats=1, key=key, progress=False)
+
+    monkeypatch.setattr(cost_mod, "measure_curve", quick_measure)
+    monkeypatch.setattr(cost_mod, "machine_probe", lambda: 0.001)   # a machine exactly as busy as before
+    monkeypatch.setattr(cost_mod, "TRUSTED_FOR_S", 0.0)             # read the file on every call here
+    small, large = context_bucket(100), context_bucket(100_000)
+    assert small != large
+    same = next(n for n in range(101, 100_000) if context_bucket(n) == small)
+    first = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    assert calls == [small], "measured once, at the bucket's context length"
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["latency_s"] == first.latency_s
+    assert not list(tmp_path.glob(".*")), "no temporary files left behind"
+
+    def must_not_measure(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("re-measured a cached curve")
+
+    monkeypatch.setattr(cost_mod, "measure_curve", must_not_measure)
+    again = load_or_measure(model, "tiny", "cpu", "float32", same, cache_dir=tmp_path)  # same bucket
+    assert again == first
+
+    monkeypatch.setattr(cost_mod, "measure_curve", quick_measure)
+    load_or_measure(model, "tiny", "cpu", "float32", 100_000, cache_dir=tmp_path)        # another bucket
+    assert calls == [small, large]
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+    files[0].write_text("{not json")                                                      # corrupt file
+    repaired = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    assert calls == [small, large, small] and repaired.sizes == [1, 2, 8]
+    assert json.loads(files[0].read_text())["sizes"] == [1, 2, 8]
+
+
+def test_a_curve_measured_on_a_busy_machine_is_measured_again(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe timed beside a cached curve ran 2x slower than it runs now: the curve is re-measured."""
+    model = tiny_llama(0)
+    real = cost_mod.measure_curve
+    calls: list[float] = []
+    probe = {"now": 0.002}
+    monkeypatch.setattr(cost_mod, "machine_probe", lambda: probe["now"])
+    monkeypatch.setattr(cost_mod, "TRUSTED_FOR_S", 0.0)
+
+    def quick_measure(model, context_len, key="", **kwargs):   # noqa: ANN001, ANN202
+        calls.append(probe["now"])
+        return real(model, context_len, sizes=(1, 2), repeats=1, key=key, progress=False)
+
+    monkeypatch.setattr(cost_mod, "measure_curve", quick_measure)
+    busy = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    assert busy.probe_s == 0.002 and calls == [0.002]
+    probe["now"] = 0.0019                                    # within the ratio: trusted
+    load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    assert calls == [0.002]
+    probe["now"] = 0.001                                     # the machine is twice as fast now
+    fresh = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    assert calls == [0.002, 0.001] and fresh.probe_s == 0.001
+    stored = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert stored["probe_s"] == 0.001, "the re-measured curve replaced the busy one on disk"
+
+
+# ------------------------------------------------------------------------------------------------------
+# acceptance estimates and sizing
+# ------------------------------------------------------------------------------------------------------
+
+def chain(n: int, source: str = "s", score: float = 0.9) -> DraftTree:
+    return DraftTree.chain(0, list(range(1, n + 1)), source, scores=[score ** (i + 1) for i in range(n)])
+
+
+def test_estimator_learns_accept_and_reject_rates() -> None:
+    good, bad = AcceptanceEstimator(thompson=False), AcceptanceEstimator(thompson=False)
+    tree = chain(1)
+    key = good.node_keys(tree)[1]
+    assert key is not None and key[:3] == ("s", 1, 0)
+    prior_mean = good.prior[0] / sum(good.prior)
+    assert good.rate(key) == pytest.approx(prior_mean)
+    for _ in range(200):
+        good.update(tree, [1])
+        bad.update(tree, [])
+    assert good.rate(key) > 0.9
+    assert bad.rate(key) < 0.1
+
+
+def test_estimator_only_counts_tried_nodes_and_decays_to_prior() -> None:
+    est = AcceptanceEstimator(thompson=False)
+    tree = chain(3)
+    keys = est.node_keys(tree)
+    for _ in range(50):
+        est.update(tree, [])          # node 1 rejected: nodes 2 and 3 were never tried
+    assert keys[1] in est.counts and keys[2] not in est.counts and keys[3] not in est.counts
+    probs = est.path_probs(tree)
+    assert probs[0] == 1.0
+    assert probs[2] == pytest.approx(probs[1] * est.rate(keys[2]))
+    assert probs[3] == pytest.approx(probs[2] * est.rate(keys[3]))
+    low = est.rate(keys[1])
+    other = chain(1, source="t")
+    for _ in range(400):
+        est.update(other, [1])        # keys[1] (and its coarse bucket) no longer tried: back to the prior mean
+    assert est.rate(keys[1]) > low
+    assert est.rate(keys[1]) == pytest.approx(est.prior[0] / sum(est.prior), abs=0.02)
+
+
+def test_thompson_samples_vary_around_the_mean() -> None:
+    est = AcceptanceEstimator(thompson=True, seed=3)
+    key = est.node_keys(chain(1))[1]
+    assert key is not None
+    draws = [est.rate(key) for _ in range(2000)]
+    assert len(set(draws)) > 1000
+    assert sum(draws) / len(draws) == pytest.approx(est.prior[0] / sum(est.prior), abs=0.03)
+
+
+def flat(context_len: int) -> CostCurve:
+    return CostCurve(key="flat", context_len=256, sizes=[1, 8, 16, 33], latency_s=[0.05] * 4)
+
+
+def steep(context_len: int) -> CostCurve:
+    return CostCurve(key="steep", context_len=256, sizes=[1, 8, 16, 33], latency_s=[0.05 * s for s in (1, 8, 16, 33)])
+
+
+def trained_sizer(curve_for, accept: bool, max_nodes: int = 64) -> CostAwareSizer:   # noqa: ANN001
+    sizer = CostAwareSizer(curve_for, max_nodes=max_nodes, estimator=AcceptanceEstimator(thompson=False))
+    tree = chain(12)
+    for _ in range(200):
+        sizer.observe(tree, list(range(1, 13)) if accept else [], overhead_s=0.0)
+    return sizer
+
+
+def test_sizer_speculates_when_drafts_are_accepted_on_a_flat_curve() -> None:
+    sizer = trained_sizer(flat, accept=True)
+    assert sizer.budget(100) == 32
+    cut = sizer.cut(chain(12), 100)
+    assert cut.num_draft_tokens == 12 and sizer.last_choice == (12, 12)
+    assert trained_sizer(flat, accept=True, max_nodes=5).cut(chain(12), 100).num_draft_tokens == 5
+
+
+def test_sizer_falls_back_to_plain_decoding_when_drafts_fail() -> None:
+    sizer = trained_sizer(flat, accept=False)
+    cut = sizer.cut(chain(12), 100)
+    assert cut.num_draft_tokens == 0 and cut.tokens == [0]
+    assert sizer.last_choice == (12, 0)
+
+
+def test_sizer_refuses_trees_that_cost_more_than_they_can_gain() -> None:
+    """On a curve where every token costs a full step, even certain acceptance cannot beat plain decoding."""
+    sizer = trained_sizer(steep, accept=True)
+    assert sizer.cut(chain(12), 100).num_draft_tokens == 0
+
+
+def test_sizer_cut_is_prefix_closed_and_keeps_the_likely_branch() -> None:
+    sizer = trained_sizer(flat, accept=True)
+    tree = chain(6)
+    tree.add(0, 50, "never")                 # an unknown source at the prior's rate
+    for _ in range(200):                     # ... that is learned to be always rejected
+        sizer.estimator.update(tree, list(range(1, 7)))
+    cut = sizer.cut(tree, 100)
+    assert cut.tokens[:7] == tree.tokens[:7]
+    for i in range(1, len(cut)):
+        assert 0 <= cut.parents[i] < i
+    assert sizer.cut(DraftTree.root_only(3), 100).tokens == [3]
+
+
+def test_sizer_never_drops_sampled_nodes_whatever_their_estimate() -> None:
+    """A node sampled from q must be kept or dropped independently of its token, or sampling is biased.
+
+    Even on a curve where speculation never pays and with drafts learnt to fail, the sampled chain stays;
+    only the deterministic nodes grafted beside it are ranked and cut.
+    """
+    import torch
+
+    sizer = trained_sizer(steep, accept=False)
+    tree = chain(3)
+    for i in range(1, 4):
+        tree.q[i] = torch.full((8,), 1 / 8)
+    tree.add(0, 77, "datastore")
+    cut = sizer.cut(tree, 100)
+    assert cut.tokens[:4] == tree.tokens[:4] and sorted(cut.q) == [1, 2, 3]
+    assert sizer.last_choice[1] >= 3
+
+
+def test_sizer_observe_tracks_overhead() -> None:
+    sizer = CostAwareSizer(flat)
+    sizer.observe(chain(1), [], overhead_s=0.01)
+    assert sizer.overhead_s == pytest.approx(0.01)
+    sizer.observe(chain(1), [], overhead_s=0.02)
+    assert sizer.overhead_s == pytest.approx(0.011)
+
+
+def test_fixed_sizer() -> None:
+    sizer = FixedSizer(3)
+    assert sizer.budget(10) == 3
+    tree = chain(6)
+    assert sizer.cut(tree, 10).tokens == [0, 1, 2, 3]
+    sizer.observe(tree, [1], 0.1)   # learns nothing, raises nothing
+
+
+def test_sizer_exploration_backs_off_while_it_finds_nothing_and_resets_on_success() -> None:
+    """Failed explorations double the wait (bounded); one accepted exploration restores the base interval."""
+    sizer = trained_sizer(steep, accept=False)
+    sizer.explore_every = 4
+
+    def steps_until_exploration() -> int:
+        for n in range(1, 200):
+            cut = sizer.cut(chain(6), 100)
+            if cut.num_draft_tokens:
+                return n
+            sizer.observe(cut, [], overhead_s=0.0)
+        raise AssertionError("never explored")
+
+    waits = []
+    for _ in range(3):
+        waits.append(steps_until_exploration())
+        sizer.observe(chain(4), [], overhead_s=0.0)        # the exploration got nothing accepted
+    assert waits == [4, 8, 16]
+    steps_until_exploration()
+    sizer.observe(chain(4), [1], overhead_s=0.0)           # ... this one did
+    assert steps_until_exploration() == 4
+
+
+def test_unseen_fine_bucket_falls_back_to_its_source_and_depth_rate() -> None:
+    """A rarely-accepted source's nodes in a new (rank, confidence) bucket start at the source's own low rate,
+    not at the optimistic prior; another source at the same depth keeps the prior."""
+    est = AcceptanceEstimator(thompson=False)
+    seen = chain(1, source="junk", score=0.9)
+    for _ in range(100):
+        est.update(seen, [])
+    unseen = chain(1, source="junk", score=0.1)            # another confidence bucket, same source and depth
+    key_seen, key_unseen = est.node_keys(seen)[1], est.node_keys(unseen)[1]
+    assert key_seen != key_unseen and key_unseen not in est.counts
+    assert est.rate(key_unseen) < 0.1
+    assert est.rate(est.node_keys(chain(1, source="other"))[1]) == pytest.approx(est.prior[0] / sum(est.prior))
+
+
+def test_a_checked_curve_is_trusted_for_a_while_in_the_process(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder per request must not re-read the file and re-time the probe each time (≈ 12 ms)."""
+    model = tiny_llama(0)
+    real = cost_mod.measure_curve
+    probes: list[int] = []
+
+    def probe() -> float:
+        probes.append(1)
+        return 0.001
+
+    monkeypatch.setattr(cost_mod, "machine_probe", probe)
+    monkeypatch.setattr(cost_mod, "measure_curve",
+                        lambda model, context_len, key="", **kw: real(model, context_len, sizes=(1, 2), repeats=1,
+                                                                      key=key, progress=False))
+    first = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    checked = len(probes)
+    assert load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path) is first
+    assert len(probes) == checked, "trusted: no second probe"
+    monkeypatch.setattr(cost_mod, "TRUSTED_FOR_S", 0.0)     # time is up: read and checked again
+    again = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
+    assert again == first and again is not first and len(probes) == checked + 1

@@ -1,0 +1,138 @@
+"""DraftGate: the draft-or-not bandit on measured tokens per second (pure logic, a fake clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rasd.decoding.engine import SpeculativeDecoder
+from rasd.decoding.proposers import make_proposer
+from rasd.decoding.sizing.gate import DRAFT, PLAIN, DraftGate
+from rasd.decoding.sizing.sizers import FixedSizer
+from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(gate: DraftGate, clock: Clock, steps: int, draft: tuple[int, float], plain: tuple[int, float],
+             bucket: int = 0, length: int = 10) -> int:
+    """Run `steps` steps; each arm commits (tokens, seconds) per step. Returns the final length."""
+    for _ in range(steps):
+        tokens, seconds = draft if gate.choose(length, bucket) else plain
+        clock.now += seconds
+        length += tokens
+    return length
+
+
+def test_gate_prefers_the_faster_arm_and_backs_off_from_the_slower() -> None:
+    clock = Clock()
+    gate = DraftGate(block=1, explore_every=4, max_backoff=8, clock=clock)
+    simulate(gate, clock, 400, draft=(2, 1.2), plain=(1, 1.0))   # draft: 1.67 tok/s, plain: 1.0
+    assert gate.share() > 0.9
+    clock = Clock()
+    gate = DraftGate(block=1, explore_every=4, max_backoff=8, clock=clock)
+    simulate(gate, clock, 400, draft=(1, 1.25), plain=(1, 1.0))  # draft never adds a token and costs 25%
+    assert gate.share() < 0.06
+    assert gate.buckets[0].backoff == 8                          # exploration interval doubled to the cap
+    assert gate.buckets[0].arms[DRAFT].pulls >= 2               # but the losing arm is still tried
+
+
+def test_gate_follows_a_change_of_regime() -> None:
+    clock = Clock()
+    gate = DraftGate(block=1, explore_every=4, max_backoff=4, clock=clock)
+    length = simulate(gate, clock, 200, draft=(1, 1.25), plain=(1, 1.0))
+    before = gate.choices[DRAFT]
+    simulate(gate, clock, 200, draft=(3, 1.25), plain=(1, 1.0), length=length)
+    assert gate.choices[DRAFT] - before > 150                    # the draft became worth it: the gate follows
+
+
+def test_buckets_are_learnt_separately() -> None:
+    clock = Clock()
+    gate = DraftGate(block=1, explore_every=4, max_backoff=8, clock=clock)
+    length = 10
+    for i in range(600):
+        bucket = i % 2
+        use = gate.choose(length, bucket)
+        tokens = (3 if bucket == 1 else 1) if use else 1     # the draft helps only in bucket 1
+        clock.now += 1.2 if use else 1.0
+        length += tokens
+    assert gate.buckets[1].best() == DRAFT
+    assert gate.buckets[0].best() == PLAIN
+
+
+def test_reset_does_not_credit_the_gap_between_requests() -> None:
+    clock = Clock()
+    gate = DraftGate(block=1, clock=clock)
+    gate.choose(10, 0)
+    clock.now += 100.0          # the caller's time between requests
+    gate.reset()
+    gate.choose(5, 0)           # a new, shorter request
+    assert gate.buckets[0].arms[DRAFT].pulls == 0
+    clock.now += 1.0
+    gate.choose(7, 0)
+    assert gate.buckets[0].arms[DRAFT].pulls == 1
+    assert gate.buckets[0].arms[DRAFT].rate == 2.0
+
+
+def test_a_choice_holds_for_a_block_of_the_buckets_steps() -> None:
+    clock = Clock()
+    gate = DraftGate(block=4, clock=clock)
+    arms, length = [], 10
+    for i in range(8):
+        bucket = 1 if i == 2 else 0                      # a step of another bucket does not end the block
+        arms.append(gate.choose(length, bucket))
+        clock.now += 1.0
+        length += 2 if arms[-1] else 1
+    assert [a for i, a in enumerate(arms) if i != 2] == [DRAFT] * 4 + [PLAIN] * 3   # each arm's first block
+    gate.choose(length, 0)
+    assert gate.buckets[0].arms[DRAFT].rate == 2.0       # 2 tokens per second, every step credited
+    assert gate.buckets[0].arms[PLAIN].rate == 1.0
+    assert gate.buckets[1].arms[DRAFT].pulls == 1
+
+
+# ------------------------------------------------------------------------------------------------------
+# the gate inside proposers: a closed gate drafts nothing (no draft forward), output stays HF greedy
+
+class Fixed(DraftGate):
+    """A gate that always gives the same answer (and counts its calls)."""
+
+    def __init__(self, answer: bool):
+        super().__init__()
+        self.answer = answer
+
+    def choose(self, context_len: int, bucket: int = 0) -> bool:
+        self.choices[self.answer] += 1
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", [DRAFT, PLAIN])
+@pytest.mark.parametrize("method", ["draft", "optree", "rasd"])
+def test_gated_proposers_equal_hf_greedy(method: str, answer: bool) -> None:
+    target, draft = tiny_llama(0), tiny_llama(0, init=0.03)
+    prompt = random_prompt(24, seed=3) * 2             # repeated text: `rasd`'s context source has matches
+    gate = Fixed(answer)
+    proposer = make_proposer(method, draft_model=draft, gate=gate)
+    forwards = []
+    draft.model.norm.register_forward_hook(lambda *_: forwards.append(1))
+    out = SpeculativeDecoder(target, proposer, sizer=FixedSizer(8)).generate(prompt, max_new_tokens=24)
+    assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 24), method)
+    assert gate.choices[answer] > 0
+    sources = set(out.token_sources)
+    if answer == PLAIN:
+        assert not forwards and "draft" not in sources and "optree" not in sources
+    else:
+        assert forwards
+
+
+def test_engine_gates_model_drafters_only_with_cost_sizing() -> None:
+    from rasd.decoding.proposers.registry import METHODS
+
+    gated = {name for name, spec in METHODS.items() if spec.gate_block is not None}
+    assert gated == {"draft", "optree", "eesd", "adaeagle", "rasd"}
+    proposer = make_proposer("rasd", gate=Fixed(DRAFT))
+    assert proposer.gate is None                        # nothing to gate without a draft model

@@ -1,0 +1,296 @@
+"""Tree verification: mask, position ids, tree logits == sequential logits, KV compaction, greedy acceptance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rasd.decoding.cache import GrowableLayer, TreeCache, cache_kwargs
+from rasd.decoding.kernels import fast_kernels, install
+from rasd.decoding.sampling import GREEDY
+from rasd.decoding.tree import DraftTree
+from rasd.decoding.verify import Verdict, accept_greedy, tree_forward, tree_inputs, verify
+from tests.helpers import random_prompt, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ATOL = 1e-5
+
+
+def full_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), vocab] of a plain, uncached forward (the sequential reference)."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids], dtype=torch.long)).logits[0].float()
+
+
+def prefilled(model: torch.nn.Module, context: list[int]) -> TreeCache:
+    cache = TreeCache.for_model(model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([context]), use_cache=True, **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == len(context)
+    return cache
+
+
+def branching_tree(root: int) -> DraftTree:
+    """root ─ a(1) ─ c(3)          node indices in brackets; the second branch is deeper
+             └ b(2) ─ d(4) ─ e(5)
+                    └ f(6)"""
+    tree = DraftTree.root_only(root)
+    tree.add(0, 5, "x")    # 1
+    tree.add(0, 9, "x")    # 2
+    tree.add(1, 17, "x")   # 3
+    tree.add(2, 5, "x")    # 4  (same token as node 1, other parent)
+    tree.add(4, 33, "x")   # 5
+    tree.add(2, 41, "x")   # 6
+    return tree
+
+
+def test_tree_inputs_mask_and_positions() -> None:
+    tree = branching_tree(3)
+    past = 11
+    ids, pos, mask = tree_inputs(tree, past, torch.float32, "cpu")
+    T = len(tree)
+    assert ids.shape == (1, T) and ids[0].tolist() == tree.tokens
+    assert pos.shape == (1, T) and pos[0].tolist() == [past + d for d in tree.depths()]
+    assert pos[0].tolist() == [11, 12, 12, 13, 13, 14, 13]
+    assert mask.shape == (1, 1, T, past + T) and mask.dtype == torch.float32
+    visible = mask[0, 0] == 0
+    neg = torch.finfo(torch.float32).min
+    assert torch.all((mask[0, 0] == 0) | (mask[0, 0] == neg))
+    assert visible[:, :past].all(), "every node sees the whole committed context"
+    assert torch.equal(visible[:, past:], tree.ancestor_mask())
+    # half precision masks use that dtype's minimum
+    _, _, mask16 = tree_inputs(tree, past, torch.bfloat16, "cpu")
+    assert mask16.dtype == torch.bfloat16 and float(mask16.min()) == torch.finfo(torch.bfloat16).min
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("context_len", [1, 9, 300])
+def test_chain_tree_equals_sequential_logits(fast: bool, context_len: int) -> None:
+    """context_len 300 also crosses the cache's initial 256-slot capacity (buffer growth)."""
+    model = install(tiny_llama(0))
+    context = random_prompt(context_len, seed=context_len)
+    chain = [7, 7, 50, 3, 91, 0]
+    root = 42
+    cache = prefilled(model, context)
+    with fast_kernels(fast):
+        logits = tree_forward(model, cache, DraftTree.chain(root, chain, "x"))
+    assert logits.shape == (len(chain) + 1, model.config.vocab_size) and logits.dtype == torch.float32
+    ref = full_logits(model, context + [root] + chain)[context_len:]
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+    assert cache.get_seq_length() == context_len + len(chain) + 1
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_branching_tree_gives_each_paths_sequential_logits(fast: bool) -> None:
+    model = install(tiny_llama(1))
+    context = random_prompt(23, seed=1)
+    tree = branching_tree(root=8)
+    cache = prefilled(model, context)
+    with fast_kernels(fast):
+        logits = tree_forward(model, cache, tree)
+    for node in range(len(tree)):
+        path = [tree.tokens[0]] + [tree.tokens[i] for i in tree.path_to(node)]
+        ref = full_logits(model, context + path)[-1]
+        torch.testing.assert_close(logits[node], ref, atol=ATOL, rtol=0, msg=f"node {node}")
+
+
+def next_logits_after_keep(model: torch.nn.Module, context: list[int], tree: DraftTree, kept: list[int],
+                           next_token: int) -> tuple[torch.Tensor, TreeCache]:
+    cache = prefilled(model, context)
+    with torch.inference_mode():   # the engine runs its whole loop in inference mode
+        tree_forward(model, cache, tree)
+        cache.keep(len(context), kept)
+    assert cache.get_seq_length() == len(context) + len(kept)
+    pos = torch.tensor([[cache.get_seq_length()]])
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([[next_token]]), position_ids=pos, use_cache=True,
+                    **cache_kwargs(model, cache))
+    return out.logits[0, -1].float(), cache
+
+
+@pytest.mark.parametrize("kept", [[0, 2, 4, 5], [0, 2, 6], [0, 1, 3], [0, 1], [0]])
+def test_kv_compaction_then_decode_equals_recompute(kept: list[int]) -> None:
+    """Keep a path (non-prefix ones move entries), decode one more token: same as recomputing from scratch."""
+    model = tiny_llama(2)
+    context = random_prompt(17, seed=2)
+    tree = branching_tree(root=60)
+    logits, cache = next_logits_after_keep(model, context, tree, kept, next_token=77)
+    ref = full_logits(model, context + [tree.tokens[i] for i in kept] + [77])[-1]
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+    assert cache.get_seq_length() == len(context) + len(kept) + 1
+
+
+def test_compaction_of_second_branch_differs_from_truncation() -> None:
+    """Guard against a vacuous KV test: keeping the wrong entries must change the next logits."""
+    model = tiny_llama(2)
+    context = random_prompt(17, seed=2)
+    tree = branching_tree(root=60)
+    cache = prefilled(model, context)
+    tree_forward(model, cache, tree)
+    cache.crop(-(cache.get_seq_length() - len(context) - 4))   # naive truncation to nodes 0..3
+    with torch.inference_mode():
+        wrong = model(input_ids=torch.tensor([[77]]), position_ids=torch.tensor([[len(context) + 4]]),
+                      use_cache=True, **cache_kwargs(model, cache)).logits[0, -1]
+    ref = full_logits(model, context + [tree.tokens[i] for i in [0, 2, 4, 5]] + [77])[-1]
+    assert (wrong - ref).abs().max() > 1e-3
+
+
+def test_growable_layer_crop_rejects_positive_counts() -> None:
+    layer = GrowableLayer()
+    layer.lazy_initialization(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    layer.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    assert layer.get_seq_length() == 3
+    with pytest.raises(ValueError):
+        layer.crop(1)
+    layer.crop(-2)
+    assert layer.get_seq_length() == 1 and layer.keys.shape == (1, 2, 1, 4)
+
+
+def test_verify_greedy_accepts_the_models_own_path_and_compacts() -> None:
+    """Put the model's greedy continuation on the *second* branch: verify accepts it, the cache matches."""
+    with torch.inference_mode():   # as in the engine
+        _check_verify_second_branch()
+
+
+def test_verify_outside_inference_mode() -> None:
+    """verify() is usable on its own (e.g. from an actor), not only inside the engine's inference mode:
+    compaction of a non-prefix path must not fail on inference tensors (a bug found by this test)."""
+    _check_verify_second_branch()
+
+
+def _check_verify_second_branch() -> None:
+    model = tiny_llama(3)
+    context = random_prompt(12, seed=3)
+    full = list(context)
+    with torch.inference_mode():
+        for _ in range(6):
+            full.append(int(full_logits(model, full)[-1].argmax()))
+    root, greedy = full[len(context)], full[len(context) + 1:]
+    wrong = (greedy[0] + 1) % model.config.vocab_size
+    tree = DraftTree.root_only(root)
+    tree.add(0, wrong, "x")                                  # 1: a wrong first sibling
+    tree.add_path(0, greedy[:3], "y")                       # 2, 3, 4: the right path
+    tree.add(2, (greedy[1] + 1) % model.config.vocab_size, "x")   # 5: a wrong sibling deeper
+    cache = prefilled(model, context)
+    verdict, logits = verify(model, cache, tree, GREEDY, None)
+    assert verdict.accepted == [2, 3, 4]
+    assert verdict.bonus == greedy[3]
+    assert verdict.new_tokens(tree) == greedy[:4]
+    assert logits.shape == (len(tree), model.config.vocab_size)
+    assert cache.get_seq_length() == len(context) + 4
+    with torch.inference_mode():
+        nxt = model(input_ids=torch.tensor([[greedy[3]]]), position_ids=torch.tensor([[len(context) + 4]]),
+                    use_cache=True, **cache_kwargs(model, cache)).logits[0, -1]
+    assert int(nxt.argmax()) == greedy[4]
+    torch.testing.assert_close(nxt.float(), full_logits(model, full[:len(context) + 5])[-1], atol=ATOL, rtol=0)
+
+
+def hand_logits(argmaxes: list[int], vocab: int = 10) -> torch.Tensor:
+    logits = torch.zeros(len(argmaxes), vocab)
+    for row, tok in enumerate(argmaxes):
+        logits[row, tok] = 5.0
+        logits[row, (tok + 1) % vocab] = 4.0
+    return logits
+
+
+def greedy_tree() -> DraftTree:
+    """root(0) ─ 3(1)
+               └ 5(2) ─ 7(3)
+                      └ 8(4) ─ 1(5)"""
+    tree = DraftTree.root_only(0)
+    tree.add(0, 3, "a")
+    tree.add(0, 5, "b")
+    tree.add(2, 7, "a")
+    tree.add(2, 8, "b")
+    tree.add(4, 1, "a")
+    return tree
+
+
+@pytest.mark.parametrize(("argmaxes", "accepted", "bonus"), [
+    ([5, 0, 8, 0, 1, 9], [2, 4, 5], 9),    # the whole second branch, then the bonus
+    ([5, 0, 8, 0, 2, 9], [2, 4], 2),       # stops where the model disagrees
+    ([5, 0, 7, 6, 1, 9], [2, 3], 6),       # other child of node 2
+    ([6, 0, 8, 0, 1, 9], [], 6),           # no child matches: bonus only
+    ([3, 4, 8, 0, 1, 9], [1], 4),          # first child, which is a leaf
+])
+def test_accept_greedy_hand_made(argmaxes: list[int], accepted: list[int], bonus: int) -> None:
+    tree = greedy_tree()
+    verdict = accept_greedy(tree, hand_logits(argmaxes))
+    assert verdict == Verdict(accepted=accepted, bonus=bonus)
+    assert verdict.new_tokens(tree) == [tree.tokens[i] for i in accepted] + [bonus]
+
+
+def test_accept_greedy_root_only() -> None:
+    assert accept_greedy(DraftTree.root_only(4), hand_logits([2])) == Verdict(accepted=[], bonus=2)
+
+
+def test_fast_tree_forward_stays_on_the_flash_attention_kernel() -> None:
+    """A strided query or a repeated-kv copy sends CPU sdpa to its math path (2x a plain step on SmolLM2)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = install(tiny_llama(1))
+    cache = prefilled(model, random_prompt(40, seed=3))
+    with fast_kernels(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        tree_forward(model, cache, branching_tree(root=8))
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+def test_fast_linear_returns_row_major_outputs() -> None:
+    layer = install(torch.nn.Sequential(torch.nn.Linear(16, 8)))[0]
+    x = torch.randn(1, 5, 16)
+    with fast_kernels():
+        out = layer(x)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_packed_products_follow_weight_changes_and_leave_the_model_picklable(monkeypatch) -> None:
+    """MKL's packed form: a stale packed copy after a weight update, or an unpicklable model, are bugs."""
+    import copy
+
+    from ray import cloudpickle  # how Ray ships objects to actors
+
+    from rasd.decoding import kernels
+
+    if not kernels.packing_available():
+        pytest.skip("this torch has no MKL packed GEMM")
+    monkeypatch.setenv("RASD_LINEAR", "packed")          # read once per shape; this shape is this test's own
+    layer = install(torch.nn.Sequential(torch.nn.Linear(24, 40)))[0]
+    assert kernels.linear_choices()["40x24@8"] == "packed"
+    x = torch.randn(1, 5, 24)
+    with torch.inference_mode(), fast_kernels():
+        before = layer(x)
+    torch.testing.assert_close(before, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)                           # in place: same storage, new version
+    with torch.inference_mode(), fast_kernels():
+        after = layer(x)
+    torch.testing.assert_close(after, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert not torch.allclose(after, before)
+    restored = cloudpickle.loads(cloudpickle.dumps(layer))
+    torch.testing.assert_close(copy.deepcopy(layer).weight, restored.weight)
+
+
+@pytest.mark.parametrize("form", ["stock", "transposed", "packed", "padded"])
+def test_every_forced_form_computes_the_product_for_one_row_and_several(form: str, monkeypatch) -> None:
+    """A plain step (one row) is tuned like the trees: each form gives F.linear's product (to float
+    rounding), and the padded form, which exists for one row, never serves several."""
+    from rasd.decoding import kernels
+
+    if form == "packed" and not kernels.packing_available():
+        pytest.skip("this torch has no MKL packed GEMM")
+    monkeypatch.setenv("RASD_LINEAR", form)
+    out_features = {"stock": 41, "transposed": 42, "packed": 43, "padded": 44}[form]   # shapes of its own
+    layer = install(torch.nn.Sequential(torch.nn.Linear(24, out_features)))[0]
+    for rows in (1, 3):
+        x = torch.randn(1, rows, 24)
+        with torch.inference_mode(), fast_kernels():
+            out = layer(x)
+        assert out.shape == (1, rows, out_features) and out.is_contiguous()
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    choices = kernels.linear_choices()
+    assert choices[f"{out_features}x24@1"] == form
+    assert choices[f"{out_features}x24@4"] == ("transposed" if form == "padded" else form)

@@ -1,0 +1,170 @@
+"""`TargetVerifier`: decoding in a Ray actor apart from the HTTP replica (real local Ray, tiny models).
+
+The verifier path must give the in-replica tokens, see documents ingested through the replica, and turn
+its own death into a restart that greedy requests in flight survive whole (a clear 503 where that cannot be
+done losslessly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed.test_draft_worker import tiny_model_folder
+
+
+def test_verifier_flags_reach_the_config_and_imply_the_actor() -> None:
+    import argparse
+
+    from rasd.errors import CliError
+    from rasd.serve.app import build_app, config_from_args
+    from rasd.serve.options import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+
+    def config(*flags: str) -> dict[str, Any]:
+        return config_from_args(parser.parse_args(["serve", *flags]))
+
+    assert config()["verifier_actor"] is False and config()["verifier_options"] == {}
+    assert config("--verifier-actor")["verifier_actor"] is True
+    gpu = config("--verifier-gpus", "1", "--verifier-resources", '{"rasd_verifier": 1}')
+    assert gpu["verifier_actor"] is True
+    assert gpu["verifier_options"] == {"num_gpus": 1.0, "resources": {"rasd_verifier": 1}}
+    with pytest.raises(CliError, match="JSON"):
+        config("--verifier-resources", "{rasd_verifier")
+    with pytest.raises(CliError, match="JSON object"):
+        config("--verifier-resources", "[1]")
+    with pytest.raises(CliError, match=">= 0"):
+        config("--verifier-gpus", "-1")
+    # the CPUs go to the process that decodes: the verifier actor, not the HTTP replica
+    cpus = [build_app({"verifier_actor": actor, "threads": 2})._bound_deployment.ray_actor_options["num_cpus"]
+            for actor in (True, False)]
+    assert cpus == [0, 2]
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A local Ray for this module; shut down afterwards if this fixture started it (later modules start
+    their own)."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    from rasd.index.writer import build_index
+    from tests.helpers import topic_documents
+
+    base = tmp_path_factory.mktemp("verifier")
+    folder = str(tiny_model_folder(base / "model")[0])
+    root = base / "idx"
+    build_index(topic_documents()[:2], root, model=folder, chunk_tokens=24, overlap=6)
+    return folder, root
+
+
+def request(prompt: str, max_tokens: int, method: str = "rasd") -> Any:
+    from rasd.serve.openai import CompletionRequest
+
+    return CompletionRequest(prompt=prompt, max_tokens=max_tokens, method=method, temperature=0.0)
+
+
+def run(service: Any, req: Any) -> list[int]:
+    ids = service.encode_text(req.prompt)
+    return asyncio.run(service.run(service.prepare(req, ids, req.method, req.max_tokens))).token_ids
+
+
+@pytest.mark.slow
+def test_verifier_actor_gives_the_in_replica_tokens_and_sees_ingested_documents(
+        ray_local: None, setup: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from rasd.serve.service import ServeConfig, Service
+    from tests.helpers import TOPICS, topic_documents
+
+    monkeypatch.setenv("RASD_HOME", str(tmp_path / "home"))
+    folder, built = setup
+    new_doc = topic_documents()[3]
+    prompts = [request(TOPICS["rockets"][:90], 24), request(new_doc.text[:80], 24, "retrieval")]
+    outs: dict[bool, list[list[int]]] = {}
+    for actor in (False, True):
+        root = tmp_path / f"idx-{actor}"
+        shutil.copytree(built, root)
+        service = Service(ServeConfig(model=folder, index=str(root), threads=1, verifier_actor=actor))
+        try:
+            assert (service.verifier is not None) == actor and (service.scheduler is None) == actor
+            outs[actor] = [run(service, prompts[0])]
+            added = service.add_documents([{"text": new_doc.text, "title": new_doc.title}])
+            assert added["added"] == 1
+            outs[actor].append(run(service, prompts[1]))   # drafts from the document just added
+            assert service.load() == (0, 0)
+            info = service.info()
+            assert (info["verifier"] or "").startswith("rasd-verifier-") == actor
+        finally:
+            service.close()
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.slow
+def test_a_dead_verifier_is_restarted_and_greedy_requests_survive_it(
+        ray_local: None, setup: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kill the verifier with requests in flight: greedy ones are re-sent and come out whole and equal to
+    the reference; an unseeded sampled one that had streamed tokens gets a clear 503; nothing hangs."""
+    import ray
+
+    from rasd.distributed.verifier import verifier_handle
+    from rasd.serve.openai import ApiError, CompletionRequest
+    from rasd.serve.service import ServeConfig, Service
+    from tests.helpers import TOPICS
+
+    monkeypatch.setenv("RASD_HOME", str(tmp_path / "home"))
+    folder, root = setup
+    service = Service(ServeConfig(model=folder, index=str(root), threads=1, verifier_actor=True, max_batch=1))
+    greedy = request(TOPICS["rockets"][:60], 150, "ar")
+    sampled = CompletionRequest(prompt=greedy.prompt, max_tokens=150, method="ar", temperature=1.0)
+    try:
+        reference = run(service, greedy)
+        handle = verifier_handle(service.verifier.name)
+        ids = service.encode_text(greedy.prompt)
+
+        async def one(p: Any, first: asyncio.Event) -> tuple[str, list[int]]:
+            tokens: list[int] = []
+            try:
+                async for kind, payload in service.events(p):
+                    first.set()
+                    if kind == "tokens":
+                        tokens += payload
+                    if kind == "done":
+                        assert payload.token_ids == tokens, "streamed blocks must add up to the output"
+                        return "done", tokens
+            except ApiError as exc:
+                first.set()
+                return f"{exc.status}: {exc.message}", tokens
+            return "ended without done", tokens
+
+        async def drill() -> list[tuple[str, list[int]]]:
+            reqs = [service.prepare(sampled, ids, "ar", 150)] + [service.prepare(greedy, ids, "ar", 150)] * 4
+            firsts = [asyncio.Event() for _ in reqs]
+            tasks = [asyncio.create_task(one(p, ev)) for p, ev in zip(reqs, firsts, strict=True)]
+            await asyncio.wait_for(firsts[0].wait(), 60)      # the sampled request has streamed its first token
+            ray.kill(handle, no_restart=False)
+            return list(await asyncio.wait_for(asyncio.gather(*tasks), 180))
+
+        outcomes = asyncio.run(drill())
+        assert outcomes[0][0].startswith("503: the verifier process stopped"), outcomes[0]
+        assert outcomes[0][1], "the sampled request had streamed tokens before the kill"
+        for status, tokens in outcomes[1:]:
+            assert status == "done" and tokens == reference
+        assert service.verifier.info()["requests_resent"] >= 4
+        assert run(service, greedy) == reference
+    finally:
+        service.close()

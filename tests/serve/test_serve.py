@@ -1,0 +1,369 @@
+"""The Ray Serve app over real HTTP: a local Ray, the embedded model, a real FAISS index.
+
+Every answer is compared with the in-process engine token for token (through the text); concurrent
+requests share batched forwards and must still each get their own greedy output. Also: streaming (SSE),
+the OpenAI error format, the API key, limits (429) and document ingest.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import DOCS, KEY, QUESTION
+
+pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.slow
+
+# `service` (the app on a local Ray, one per session, shared with test_web.py) is in conftest.py
+
+
+@pytest.fixture(scope="module")
+def local(service: dict[str, Any]) -> Any:
+    """The in-process reference: same model, same index."""
+    from rasd.decoding.model_loading import load_model
+    from rasd.index.store import Index
+
+    return load_model("default"), Index.open(service["index"])
+
+
+def reference_completion(target: Any, prompt: str, max_new: int, method: str = "ar") -> str:
+    from rasd.decoding.engine import build_decoder
+
+    ids = target.tokenizer(prompt)["input_ids"]
+    out = build_decoder(target, method).generate(ids, max_new, eos_token_ids=target.eos_token_ids)
+    return out.text or ""
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_health_models_and_api_key(service: dict[str, Any]) -> None:
+    bare = httpx.Client(base_url=service["url"], timeout=30)
+    assert bare.get("/healthz").json()["status"] == "ok"           # health needs no key
+    denied = bare.get("/v1/models")
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    wrong = bare.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    models = service["client"].get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "rasd-default"
+
+
+def test_api_key_is_checked_before_the_body_and_guards_the_docs(service: dict[str, Any]) -> None:
+    bare = httpx.Client(base_url=service["url"], timeout=30)
+    assert bare.get("/healthz").json()["auth"] is True
+    # an unkeyed caller gets 401, not the schema's 400 details, and the body is never parsed
+    invalid = bare.post("/v1/chat/completions", json={"messages": "not a list", "max_tokens": -5})
+    assert invalid.status_code == 401 and invalid.headers["www-authenticate"] == "Bearer"
+    huge = bare.post("/v1/completions", content=b"{" * 5_000_000, headers={"content-type": "application/json"})
+    assert huge.status_code == 401
+    for path in ("/docs", "/openapi.json", "/metrics", "/v1/info", "/v1/documents"):
+        assert bare.get(path).status_code == 401, path
+    near = bare.get("/v1/models", headers={"Authorization": f"Bearer {KEY}x"})
+    assert near.status_code == 401
+    assert bare.get("/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert bare.get("/").status_code == 200                       # the web page asks for the key itself
+
+
+HOSTILE = [   # (path, raw JSON body, expected status, the field the error names or None)
+    ("/v1/completions", b'{"prompt": "x", "stop": ""}', 400, "stop.0"),
+    ("/v1/completions", json.dumps({"prompt": "x", "stop": [str(i) for i in range(17)]}).encode(), 400, "stop"),
+    ("/v1/completions", json.dumps({"prompt": "x", "stop": ["ok", "s" * 300]}).encode(), 400, "stop.1"),
+    ("/v1/completions", b'{"prompt": "x", "seed": 99999999999999999999999}', 400, "seed"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": "many"}', 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt": 42}', 400, None),
+    ("/v1/completions", b'{"prompt": "a \\ud800 b"}', 400, "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}], "stream": true}', 400,
+     "messages.0.content"),
+    ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
+    ("/v1/docqa", json.dumps({"question": "q" * 200_001}).encode(), 400, "question"),
+    ("/v1/documents", b'{"documents": [{"text": "ok", "title": "\\ud800"}]}', 400, "documents.0.title"),
+    ("/v1/completions", b"{" * 3_000_000, 413, None),
+    ("/v1/completions", b"not json", 400, None),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "status", "param"), HOSTILE, ids=[f"{h[0]}:{h[2]}:{h[3]}" for h in HOSTILE])
+def test_hostile_inputs_get_a_clear_4xx_naming_the_field(service: dict[str, Any], path: str, raw: bytes,
+                                                          status: int, param: str | None) -> None:
+    r = service["client"].post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_completion_equals_in_process_engine(service: dict[str, Any], local: Any) -> None:
+    target, _ = local
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "method": "pld"}
+    r = service["client"].post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "text_completion" and data["choices"][0]["finish_reason"] in ("stop", "length")
+    assert data["choices"][0]["text"] == reference_completion(target, prompt, 40)
+    assert data["usage"]["completion_tokens"] == data["rasd"]["new_tokens"] <= 40
+    assert data["rasd"]["method"] == "pld" and data["rasd"]["mean_accepted_tokens"] >= 1.0
+    # the same request streamed: the deltas add up to the same text, then usage, then [DONE]
+    with service["client"].stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(s)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == data["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == data["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == data["usage"]
+
+
+def test_chat_completion_shape_and_stream(service: dict[str, Any]) -> None:
+    messages = [{"role": "user", "content": "Name three primary colours."}]
+    r = service["client"].post("/v1/chat/completions", json={"messages": messages, "max_tokens": 24,
+                                                             "temperature": 0})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "chat.completion" and data["choices"][0]["message"]["role"] == "assistant"
+    with service["client"].stream("POST", "/v1/chat/completions",
+                                  json={"messages": messages, "max_tokens": 24, "temperature": 0,
+                                        "stream": True}) as s:
+        events = sse_events(s)[:-1]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == data["choices"][0]["message"]["content"]
+
+
+def test_a_chats_next_turn_reuses_the_previous_prompt(service: dict[str, Any], local: Any) -> None:
+    """The second turn resends the first turn's prompt: its whole blocks come from the prefix cache, and the
+    answer still equals the in-process engine's greedy output for the whole conversation."""
+    target, _ = local
+    first = [{"role": "system", "content": "You are a terse assistant. Answer in one short sentence."},
+             {"role": "user", "content": "Which gas do plants take in from the air to make sugar?"}]
+    body = {"max_tokens": 16, "temperature": 0, "method": "pld"}
+    r1 = service["client"].post("/v1/chat/completions", json={"messages": first, **body}).json()
+    second = first + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": "And which gas do they give off?"}]
+    r2 = service["client"].post("/v1/chat/completions", json={"messages": second, **body}).json()
+    whole_blocks = r1["usage"]["prompt_tokens"] // 16 * 16
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= whole_blocks > 0
+    ids = target.tokenizer.apply_chat_template(second, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    from rasd.decoding.engine import build_decoder
+
+    ref = build_decoder(target, "ar").generate(list(ids), 16, eos_token_ids=target.eos_token_ids)
+    assert r2["choices"][0]["message"]["content"] == (ref.text or "")
+
+
+def test_docqa_equals_in_process_pipeline(service: dict[str, Any], local: Any) -> None:
+    from rasd.apps.docqa import DocQA
+    from rasd.client import Client
+
+    target, index = local
+    with Client(service["url"], api_key=KEY) as client:
+        answer = client.ask(QUESTION, top_k_sources=2, max_tokens=48)
+        streamed = list(client.ask_stream(QUESTION, top_k_sources=2, max_tokens=48))
+    ref = DocQA(index, target, method="rasd", top_k=2, max_new_tokens=48).ask(QUESTION)
+    assert answer.answer == ref.answer
+    assert answer.sources[0]["title"] == "Bridges"
+    assert answer.stats["method"] == "rasd" and answer.stats["mean_accepted_tokens"] > 1.0
+    assert streamed[0]["sources"][0]["title"] == "Bridges"
+    assert "".join(e.get("delta", "") for e in streamed).strip() == ref.answer
+    assert streamed[-1]["answer"] == ref.answer
+    # asked twice: the second prefill reused the first one's prompt blocks (all but the last 16-31 tokens)
+    prompt_tokens = streamed[-1]["usage"]["prompt_tokens"]
+    assert prompt_tokens - 32 < streamed[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] <= prompt_tokens - 16
+
+
+def test_concurrent_requests_share_the_batch_and_keep_their_outputs(service: dict[str, Any], local: Any) -> None:
+    target, _ = local
+    prompts = ["The capital of France is", "import numpy as np\n\ndef mean(xs):", "Once upon a time,",
+               "The three laws of motion are"]
+    results: dict[int, Any] = {}
+
+    def go(i: int) -> None:
+        results[i] = service["client"].post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 32,
+                                                                     "temperature": 0, "method": "pld"})
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, prompt in enumerate(prompts):
+        assert results[i].status_code == 200, results[i].text
+        assert results[i].json()["choices"][0]["text"] == reference_completion(target, prompt, 32), prompt
+
+
+def test_bad_requests_get_openai_style_errors(service: dict[str, Any]) -> None:
+    c = service["client"]
+    cases = [
+        ({}, 400, "prompt"),                                               # missing prompt
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "method": "magic"}, 400, "method"),
+        ({"prompt": "hi", "method": "draft"}, 400, "method"),              # no --draft-model
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+        ({"prompt": "word " * 8200}, 400, "prompt"),                     # longer than the 8192 context
+    ]
+    for body, status, param in cases:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"] and err["param"] == param, (body, err)
+    r = c.post("/v1/docqa", json={"question": "   "})
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+    from rasd.decoding.proposers.early_exit import eesd_path
+
+    if not eesd_path("default").exists():                                  # untrained: refused up front
+        r = c.post("/v1/completions", json={"prompt": "hi", "method": "eesd"})
+        assert r.status_code == 400 and "rasd train eesd" in r.json()["error"]["message"]
+    r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_overload_gets_429_not_an_unbounded_queue(service: dict[str, Any]) -> None:
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def go() -> None:
+        r = service["client"].post("/v1/completions", json={"prompt": "Count slowly:", "max_tokens": 48,
+                                                            "temperature": 0, "method": "ar"})
+        with lock:
+            statuses.append(r.status_code)
+            if r.status_code == 429:
+                assert r.json()["error"]["type"] == "rate_limit_error"
+
+    threads = [threading.Thread(target=go) for _ in range(8)]   # batch 4 + 1 waiting: 3+ are refused
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert statuses.count(200) >= 5 - 1 and statuses.count(429) >= 1, statuses
+    assert set(statuses) <= {200, 429}
+
+
+def test_ingested_documents_are_retrieved_and_durable(service: dict[str, Any]) -> None:
+    from rasd.client import ApiError, Client
+    from rasd.index.store import Index
+
+    with Client(service["url"], api_key=KEY) as client:
+        before = Index.open(service["index"]).num_documents   # len(DOCS), more if test_web.py ran first
+        added = client.add_documents([{"title": "Quokkas", "text": "The quokka is a small marsupial that lives on "
+                                       "Rottnest Island near Perth. Quokkas are nocturnal herbivores."}])
+        assert added["added"] == 1 and added["num_documents"] == before + 1 >= len(DOCS) + 1
+        assert Index.open(service["index"]).num_documents == before + 1   # on disk when acknowledged
+        answer = client.ask("Where do quokkas live?", top_k_sources=1, max_tokens=24)
+        assert answer.sources[0]["title"] == "Quokkas"
+        with pytest.raises(ApiError) as info:
+            client.add_documents([{"title": "empty", "text": ""}])
+        assert info.value.status == 400
+
+
+def test_metrics_use_vllm_style_names(service: dict[str, Any]) -> None:
+    text = service["client"].get("/metrics").text
+    for name in ("rasd:spec_decode_num_drafts_total", "rasd:spec_decode_num_draft_tokens_total",
+                 "rasd:spec_decode_num_accepted_tokens_total", "rasd:spec_decode_num_accepted_tokens_per_pos_total",
+                 "rasd:request_latency_seconds_bucket", "rasd:num_requests_running",
+                 "rasd:prefix_cache_queries_total", "rasd:prefix_cache_hits_total"):
+        assert name in text, name
+
+
+def test_serve_config_yaml_builds(tmp_path: Path) -> None:
+    import yaml
+
+    from rasd.serve.app import build_app
+
+    config = yaml.safe_load(Path("serve_config.yaml").read_text())
+    app = config["applications"][0]
+    assert app["import_path"] == "rasd.serve.app:build_app"
+    build_app(app["args"])   # the builder accepts the file's args
+    with pytest.raises(ValueError, match="unknown serve config keys"):
+        build_app({"modle": "default"})
+
+
+def test_load_levels_report_throughput_and_latency(service: dict[str, Any]) -> None:
+    from rasd.eval.load import format_load_table, run_level
+
+    questions = [QUESTION, "How long is the Forth Bridge?", "How is green tea brewed?"]
+    level = run_level(service["url"], KEY, questions, 3, {"max_tokens": 12, "temperature": 0, "top_k_sources": 1})
+    assert level["requests"] == level["completed"] == 3 and level["completion_tokens"] > 0
+    assert level["rejected"] == level["errors"] == level["timeouts"] == level["not_sent"] == 0
+    assert 0 < level["latency_p50_s"] <= level["latency_p99_s"] <= level["wall_s"] + 1 and level["tokens_per_s"] > 0
+    level.update(identical_to_in_process=1.0, vs_hf=2.0, vs_hf_e2e=2.5)
+    table = format_load_table({"hf_tokens_per_s": 10.0, "hf_e2e_tokens_per_s": 8.0, "levels": [level]})
+    assert "agg tok/s" in table and "2.00x" in table
+    assert 0 <= level["cached_prompt_tokens"] < level["prompt_tokens"] and "%" in table
+
+
+def test_load_level_counts_errors_and_rejections_without_retrying(service: dict[str, Any]) -> None:
+    from rasd.eval.load import format_load_table, percentile, run_level
+
+    level = run_level(service["url"], "wrong-key", ["a?", "b?"], 2, {"max_tokens": 4})
+    assert level["completed"] == 0 and level["errors"] == 2 and level["latency_p50_s"] is None
+    assert all(row["status"] == 401 for row in level["rows"])
+    late = run_level(service["url"], KEY, ["a?"], 1, {"max_tokens": 4}, level_timeout_s=-1)
+    assert late["not_sent"] == 1 and late["completion_tokens"] == 0
+    level.update(identical_to_in_process=None, vs_hf=0.0, vs_hf_e2e=0.0)
+    assert " - " in format_load_table({"hf_tokens_per_s": 1.0, "hf_e2e_tokens_per_s": 1.0, "levels": [level]})
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([1.0] * 99 + [9.0], 0.99) == 1.0
+    assert percentile([1.0] * 98 + [9.0, 9.0], 0.99) == 9.0 and percentile([], 0.5) is None
+
+
+def test_a_ray_started_for_the_service_runs_serve_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rasd serve --detach` starts Ray with Serve's control loop at 1 s (not 0.1 s), unless the user chose."""
+    import os
+    import subprocess
+
+    from rasd.serve import app as serve_mod
+
+    calls: list[tuple[list[str], dict[str, Any]]] = []
+
+    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        calls.append((cmd, kwargs))
+        return subprocess.CompletedProcess(cmd, 1 if cmd[1] == "status" else 0, "", "")   # no cluster yet
+
+    monkeypatch.setattr(serve_mod.subprocess, "run", fake_run)
+    monkeypatch.delenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", raising=False)
+    serve_mod.ensure_local_cluster()
+    (env,) = [kwargs["env"] for cmd, kwargs in calls if cmd[1:3] == ["start", "--head"]]
+    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "1.0"
+    assert env["PATH"] == os.environ["PATH"], "the rest of the environment is passed on"
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
+    assert serve_mod.ray_env()["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2", "the user's setting wins"
+
+
+def test_load_plot_labels_each_level_against_both_hf_rates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plot says what the table says: aggregate vs HF decode-only and vs HF with prefill, per level."""
+    import matplotlib.figure
+
+    from rasd.eval.load import plot_load
+
+    saved: list[Any] = []
+    real_savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path, **kw: (saved.append(fig), real_savefig(fig, path, **kw)))
+    summary = {"method": "rasd", "max_tokens": 8, "hf_tokens_per_s": 10.0, "hf_e2e_tokens_per_s": 8.0,
+               "levels": [{"concurrency": c, "tokens_per_s": t, "latency_p50_s": 1.0, "latency_p99_s": 2.0}
+                          for c, t in ((1, 12.0), (8, 30.0))]}
+    plot_load(summary, str(tmp_path / "both.png"))
+    assert [t.get_text() for t in saved[-1].axes[0].texts] == ["1.20x / 1.50x hf", "3.00x / 3.75x hf"]
+    del summary["hf_e2e_tokens_per_s"]                    # results files from before it was recorded
+    plot_load(summary, str(tmp_path / "decode.png"))
+    assert [t.get_text() for t in saved[-1].axes[0].texts] == ["1.20x hf", "3.00x hf"]
+    assert (tmp_path / "both.png").stat().st_size > 0 and (tmp_path / "decode.png").stat().st_size > 0
