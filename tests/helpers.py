@@ -47,6 +47,13 @@ def tiny_llama(seed: int, vocab: int = TINY_VOCAB, init: float = 0.02, max_posit
     return LlamaForCausalLM(config).eval()
 
 
+def fresh_tiny_llama(seed: int, **options: object) -> torch.nn.Module:
+    """`tiny_llama`'s weights in a new object, for models sent to Ray actors: the shared cached one may have
+    been called with `output_hidden_states`, after which transformers keeps output-capturing hooks on its
+    layers that hold a ContextVar, and such a model can no longer be pickled."""
+    return tiny_llama.__wrapped__(seed, **options)
+
+
 def random_prompt(length: int, seed: int, vocab: int = TINY_VOCAB) -> list[int]:
     gen = torch.Generator().manual_seed(1000 + seed)
     return torch.randint(0, vocab, (length,), generator=gen).tolist()

@@ -21,7 +21,7 @@ from rasd.decoding.sampling import GREEDY
 from rasd.decoding.sizing.sizers import FixedSizer
 from rasd.distributed.draft_worker import DraftPool, DraftWorker, RemoteDraft, load_draft_model
 from rasd.index.suffix_array import SuffixArray
-from tests.helpers import TINY_VOCAB, assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
+from tests.helpers import TINY_VOCAB, assert_greedy_equal, fresh_tiny_llama, hf_greedy, random_prompt, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TREE = {"top_k": 2, "width": 3, "min_prob": 0.0}   # a real tree, not only a chain
@@ -261,7 +261,7 @@ def test_serve_flags_reach_the_config() -> None:
 def test_remote_draft_decodes_like_the_local_draft(ray_local: None) -> None:
     """Same tokens, same accepted counts per step and source, = HF greedy; for a self and an unrelated draft."""
     pools = {name: DraftPool(model, 1, draft_options=TREE, timeout_s=PATIENT_S, named=False)
-             for name, model in (("self", tiny_llama(0)), ("other", tiny_llama(99)))}
+             for name, model in (("self", fresh_tiny_llama(0)), ("other", fresh_tiny_llama(99)))}
     try:
         target = tiny_llama(0)
         for name, pool in pools.items():
@@ -290,7 +290,7 @@ def test_killed_worker_costs_drafts_not_tokens_and_drafting_resumes(ray_local: N
 
     target = tiny_llama(0)
     prompt = random_prompt(24, 5)
-    pool = DraftPool(target, 1, draft_options={"min_prob": 0.0}, timeout_s=5.0, backoff_s=0.2)
+    pool = DraftPool(fresh_tiny_llama(0), 1, draft_options={"min_prob": 0.0}, timeout_s=5.0, backoff_s=0.2)
     try:
         actor = ray.get_actor("rasd-draft-0", namespace="rasd")     # the name a fault script uses
         assert ray.get(actor.propose.remote("warm", prompt, 8)).num_draft_tokens > 0   # first forwards: slow
@@ -374,7 +374,8 @@ def test_two_node_cluster_routes_workers_by_resource(two_nodes: str, tmp_path: P
     add_documents(root, docs[3:])
     local = Index.open(root)
     target = tiny_llama(3, vocab=300)
-    pool = DraftPool(target, 1, {"resources": {"rasd_draft": 1}}, draft_options=TREE, timeout_s=PATIENT_S)
+    pool = DraftPool(fresh_tiny_llama(3, vocab=300), 1, {"resources": {"rasd_draft": 1}}, draft_options=TREE,
+                     timeout_s=PATIENT_S)
     sharded = ShardedIndex(root, 2, actor_options={"resources": {"rasd_retrieval": 1}},
                            lookup_timeout_s=PATIENT_S)
     try:
