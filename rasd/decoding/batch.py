@@ -333,8 +333,9 @@ class BatchDecoder:
         """A row's tree and the time it took; left uncut when the batch sizes it with the others."""
         t0 = time.perf_counter()
         tree = stream.propose()
-        if tree is not None and not (batched and stream.decoder.sizer.batch_sized):
-            tree = stream.size(tree)
+        if tree is not None:
+            batch_sized = batched and stream.decoder.sizer.batch_sized
+            tree = tree.top_nodes(stream.budget) if batch_sized else stream.size(tree)
         return tree, time.perf_counter() - t0
 
     def _curve(self, context_sum: int) -> CostCurve | None:

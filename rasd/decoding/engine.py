@@ -145,6 +145,7 @@ class GenerationStream:
         self.token_sources: list[str] = []
         self.last_sources: list[str] = []   # the sources of the last committed block
         self.plain_step_s: float | None = None
+        self.budget = 0                      # draft nodes the last `propose` allowed (sizer and context)
         self._t_start = 0.0
         self._iter = self._run()
 
@@ -218,15 +219,15 @@ class GenerationStream:
             self.reason = "length"
             return None
         room = dec.max_context - len(self.context) - 1
-        budget = max(min(dec.sizer.budget(len(self.context)), room), 0)
+        self.budget = budget = max(min(dec.sizer.budget(len(self.context)), room), 0)
         self.plain_step_s = dec.sizer.plain_step_s(len(self.context))
         tree = dec.proposer.propose(self.context, budget) if budget > 0 else DraftTree.root_only(self.context[-1])
         self.stats.pruned_nodes += tree.pruned
-        return tree.top_nodes(budget)
+        return tree
 
     def size(self, tree: DraftTree) -> DraftTree:
-        """This request's sizer cuts its tree to what pays on its own."""
-        return self.decoder.sizer.cut(tree, len(self.context))
+        """This request's sizer cuts its tree to what pays on its own (then to the step's budget)."""
+        return self.decoder.sizer.cut(tree, len(self.context)).top_nodes(self.budget)
 
     def commit(self, tree: DraftTree, verdict: Verdict, logits: torch.Tensor, draft_s: float,
                verify_s: float, alone_s: float | None) -> list[int]:
