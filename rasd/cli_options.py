@@ -20,6 +20,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "or `eesd` (the target's own early-exit self-draft)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="on CUDA, verify with eager forwards instead of static shapes captured as CUDA graphs")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, top_k_flag: str = "--top-k") -> None:
@@ -45,7 +47,8 @@ def load_target(args: argparse.Namespace) -> tuple[Any, Any]:
     from rasd.decoding.model_loading import ModelLoadError, load_draft, load_model
 
     try:
-        target = load_model(args.model, device=args.device, dtype=args.dtype)
+        target = load_model(args.model, device=args.device, dtype=args.dtype,
+                            graphs=not getattr(args, "no_graphs", False))
         draft = load_draft(args.draft_model, target, getattr(args, "eesd", None))
     except (ModelLoadError, ValueError) as exc:
         raise CliError(str(exc)) from exc

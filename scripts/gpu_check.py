@@ -2,8 +2,9 @@
 
 Why a script and not the test suite: CI has no GPU, and the tests pin tiny models to the CPU. This checks the
 same properties on CUDA — every proposer's greedy output equals HF `generate` greedy on the same device
-(tiny random Llamas, several seeds; and the real default model when `--real` is given) — and prints the
-target's verify-latency curve, which decides how large draft trees may be on that device.
+(tiny random Llamas, several seeds, on the eager path and on static shapes replayed as CUDA graphs, single
+requests and a batch with rows joining and leaving; and the real default model when `--real` is given) —
+and prints the target's verify-latency curve on both paths, which decides how large draft trees may be.
 
     python scripts/gpu_check.py --device cuda [--real] [--dtype float32] [--out DIR]
 """
@@ -20,10 +21,14 @@ from pathlib import Path
 
 import torch
 
+from rasd.decoding.batch import BatchDecoder
 from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.sizing.cost import measure_curve
 from rasd.decoding.sizing.sizers import FixedSizer
+from rasd.decoding.static_step import StepConfig
+
+PATHS = {"eager": StepConfig(), "graphs": StepConfig(static=True, graphs=True)}
 
 
 def tiny_llama(seed: int, vocab: int, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -83,42 +88,73 @@ def tiny_proposer(method: str, target: torch.nn.Module, draft: torch.nn.Module, 
     return make_proposer(name, draft_model=draft if use_draft else None, datastores=stores, recycling=recycling)
 
 
-def check_tiny(device: str, dtype: torch.dtype, files: Path) -> dict:
-    """Greedy equality for every method on random Llamas; a difference must sit at a near-tie.
+def check_tiny(device: str, dtype: torch.dtype, files: Path, seeds: int = 3) -> dict:
+    """Greedy equality for every method on random Llamas, on both verification paths; a difference must sit
+    at a near-tie.
 
-    Each (seed, method) runs on its own: an exception is recorded with its message, so one broken path does
-    not hide the others."""
+    Each (seed, method, path) runs on its own: an exception is recorded with its message, so one broken path
+    does not hide the others."""
     vocab, results = 200, []
     draft = tiny_llama(99, vocab, device, dtype)
     files.mkdir(parents=True, exist_ok=True)
-    for seed in range(3):
+    for seed in range(seeds):
         target = tiny_llama(seed, vocab, device, dtype)
         gen = torch.Generator().manual_seed(seed)
         base = torch.randint(0, vocab, (12,), generator=gen).tolist()
         prompt = base * 3 + torch.randint(0, vocab, (5,), generator=gen).tolist()   # repeats: pld finds drafts
         ref, ours_ar = hf_greedy(target, prompt, 48), None
         docs = [prompt[-6:] + ref, ref[10:] + base]      # a datastore that holds the answer: drafts get accepted
-        for method in TINY_METHODS:
-            row = {"seed": seed, "method": method}
+        for method, (path, step) in ((m, p) for m in TINY_METHODS for p in PATHS.items()):
+            row = {"seed": seed, "method": method, "path": path}
             try:
                 proposer = tiny_proposer(method, target, draft, docs, files)
-                dec = SpeculativeDecoder(target, proposer, sizer=FixedSizer(0 if method == "ar" else 16))
+                dec = SpeculativeDecoder(target, proposer, sizer=FixedSizer(0 if method == "ar" else 16), step=step)
                 res = dec.generate(prompt, max_new_tokens=48)
             except Exception as err:   # noqa: BLE001 - reported, not hidden: the point is to see every failure
                 row.update(equal=False, error=f"{type(err).__name__}: {err}"[:400],
                            trace=traceback.format_exc()[-1500:])
                 results.append(row)
-                print(f"  {dtype} seed {seed} {method}: ERROR {row['error']}", flush=True)
+                print(f"  {dtype} seed {seed} {method} {path}: ERROR {row['error']}", flush=True)
                 continue
             i = first_diff(res.token_ids, ref)
-            ours_ar = res.token_ids if method == "ar" else ours_ar
+            ours_ar = res.token_ids if method == "ar" and path == "eager" else ours_ar
             row.update(equal=i is None, first_diff=i, equal_to_our_ar=res.token_ids == ours_ar,
                        ref_top2_gap=None if i is None else top2_gap(target, prompt + ref[:i]),
                        mean_accepted=res.stats.mean_accepted_tokens)
             results.append(row)
+        results.append(check_batch(target, draft, prompt, docs, files, seed))
     return {"device": device, "dtype": str(dtype), "runs": results,
             "all_equal": all(r["equal"] for r in results),
             "failed": sorted({r["method"] for r in results if not r["equal"]})}
+
+
+def check_batch(target: torch.nn.Module, draft: torch.nn.Module, prompt: list[int], docs: list[list[int]],
+                files: Path, seed: int) -> dict:
+    """A captured batch: requests of several methods join, leave early and join late (slots grow); each
+    request's tokens must equal HF greedy on its own."""
+    row: dict = {"seed": seed, "method": "batch", "path": "graphs"}
+    try:
+        batch = BatchDecoder(target, slots=2, step=PATHS["graphs"])
+        plan = [("pld", prompt, 40), ("ar", prompt[5:], 9), ("recycling", prompt[:20], 30), ("rasd", prompt, 44)]
+        streams, refs = [], []
+        for i, (method, ids, n) in enumerate(plan):
+            dec = SpeculativeDecoder(target, tiny_proposer(method, target, draft, docs, files), sizer=FixedSizer(16),
+                                     step=PATHS["graphs"])
+            streams.append(dec.stream(ids, n))
+            refs.append(hf_greedy(target, ids, n))
+            batch.add(streams[-1])
+            for _ in range(3 if i < 2 else 0):
+                batch.step()
+        for _ in range(400):
+            if not len(batch):
+                break
+            batch.step()
+        diffs = [first_diff(s.output.token_ids, r) if s.output else -1 for s, r in zip(streams, refs, strict=True)]
+        row.update(equal=all(d is None for d in diffs), first_diffs=diffs, graphs=len(batch.cache._captured))
+    except Exception as err:   # noqa: BLE001 - recorded: see check_tiny
+        row.update(equal=False, error=f"{type(err).__name__}: {err}"[:400], trace=traceback.format_exc()[-1500:])
+        print(f"  batch seed {seed}: ERROR {row['error']}", flush=True)
+    return row
 
 
 def check_real(device: str, dtype: str, prompts: list[str], methods: list[str]) -> dict:
@@ -148,10 +184,12 @@ def check_real(device: str, dtype: str, prompts: list[str], methods: list[str]) 
             runs.append({"method": method, "prompt_tokens": len(ids), "equal": i is None, "first_diff": i,
                          "mean_accepted": out.stats.mean_accepted_tokens, "seconds": time.perf_counter() - t0,
                          "ref_top2_gap": None if i is None else top2_gap(target.model, ids + ref[:i])})
-    curve = measure_curve(target.model, 512, progress=False)
-    ms = {str(k): round(v * 1000, 3) for k, v in zip(curve.sizes, curve.latency_s, strict=True)}
-    return {"device": device, "dtype": dtype, "runs": runs, "all_equal": all(r["equal"] for r in runs),
-            "cost_curve_ms_ctx512": ms}
+    curves = {}
+    for path, step in PATHS.items():
+        curve = measure_curve(target.model, 512, progress=False, step=step)
+        curves[path] = {str(k): round(v * 1000, 3) for k, v in zip(curve.sizes, curve.latency_s, strict=True)}
+    return {"device": device, "dtype": dtype, "verify_path": target.step.label, "runs": runs,
+            "all_equal": all(r["equal"] for r in runs), "cost_curve_ms_ctx512": curves}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,13 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real-methods", default="ar,pld,recycling,rasd",
                    help="methods checked on the real model (add eesd when its weights are under $RASD_HOME)")
     p.add_argument("--no-tiny", action="store_true", help="skip the tiny-model checks")
+    p.add_argument("--seeds", type=int, default=3, help="tiny models checked per dtype")
+    p.add_argument("--max-prompts", type=int, default=6, help="real prompts (one per category)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     report: dict = {"torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     for dt in () if args.no_tiny else (torch.float32, torch.bfloat16):
-        report[f"tiny_{dt}"] = check_tiny(args.device, dt, Path(tempfile.mkdtemp(prefix="rasd-gpu-")))
+        report[f"tiny_{dt}"] = check_tiny(args.device, dt, Path(tempfile.mkdtemp(prefix="rasd-gpu-")), args.seeds)
         print(f"tiny {dt}: all equal = {report[f'tiny_{dt}']['all_equal']}, failed: "
               f"{report[f'tiny_{dt}']['failed']}", flush=True)
     if args.real:
@@ -181,10 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             seen: dict[str, str] = {}
             for row in rows:
                 seen.setdefault(row.get("category", "?"), row["turns"][0])
-            prompts = list(seen.values())[:6]
+            prompts = list(seen.values())[: args.max_prompts]
         report["real"] = check_real(args.device, args.dtype, prompts, args.real_methods.split(","))
         print(f"real {args.dtype}: all equal = {report['real']['all_equal']}", flush=True)
-        print("cost curve (ms, ctx 512):", report["real"]["cost_curve_ms_ctx512"], flush=True)
+        for path, ms in report["real"]["cost_curve_ms_ctx512"].items():
+            print(f"cost curve, {path} (ms, ctx 512):", ms, flush=True)
     text = json.dumps(report, indent=1)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

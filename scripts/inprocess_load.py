@@ -81,8 +81,10 @@ def run_level(svc: Any, preps: list[Any], concurrency: int, timeout_s: float) ->
     ok = {i: o for i, (kind, o, _) in outs.items() if kind == "done"}
     lat = [t for kind, _, t in outs.values() if kind == "done"]
     tokens = sum(len(o.token_ids) for o in ok.values())
+    errors = sorted({str(o) for kind, o, _ in outs.values() if kind == "error"})
     return {"concurrency": concurrency, "requests": len(preps), "completed": len(ok), "rejected": 0,
-            "errors": sum(kind == "error" for kind, _, _ in outs.values()), "timeouts": len(preps) - len(outs),
+            "errors": sum(kind == "error" for kind, _, _ in outs.values()), "error_messages": errors[:3],
+            "timeouts": len(preps) - len(outs),
             "wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
             "latency_p50_s": statistics.median(lat) if lat else None,
             "latency_p99_s": max(lat) if lat else None,

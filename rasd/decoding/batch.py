@@ -32,6 +32,7 @@ from rasd.decoding.kernels import fast_kernels
 from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.sizing.batch import BatchSizer
 from rasd.decoding.sizing.cost import CostCurve
+from rasd.decoding.static_step import StaticRows, StepConfig
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import accept, batch_inputs
 
@@ -203,24 +204,33 @@ class BatchDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, fast: bool = True, max_batch_tokens: int = 128, slots: int = 8,
-                 chunk_tokens: int = 0, prefix_cache: PrefixCache | None = None):
+                 chunk_tokens: int = 0, prefix_cache: PrefixCache | None = None, step: StepConfig | None = None):
         """`slots`: requests the cache makes room for up front (the scheduler's `max_batch`); `chunk_tokens`:
         prompt tokens prefilled per step while others decode (0: a joining request prefills at once);
-        `prefix_cache`: reuse the K/V of prompt prefixes earlier requests computed (None: off)."""
+        `prefix_cache`: reuse the K/V of prompt prefixes earlier requests computed (None: off); `step`: how
+        the forwards run (default: static shapes in CUDA graphs on CUDA, the dynamic lean path on CPU)."""
         self.model = model
         self.fast = fast
+        self.device = next(model.parameters()).device
+        self.step_config = step or StepConfig.for_device(self.device)
+        self.static = self.step_config.applies(model)
         # Rows are padded to the largest tree, so one big tree makes every row pay for it: with several
         # requests one width is chosen for the whole step (`sizing.batch`), never more than this many tree
         # tokens in all; the single-request sizer alone decides when the batch holds one request.
         self.max_batch_tokens = max_batch_tokens
         self.sizer = BatchSizer(max_tokens=max_batch_tokens)
         self.slots = slots
-        self.cache = BatchCache.for_model(model, slots)
+        self.cache = self._new_cache()
         self.streams: list[GenerationStream] = []
         self.prefilling: deque[PrefillJob] = deque()
         self.chunk_tokens = chunk_tokens
         self.prefix_cache = prefix_cache
-        self.device = next(model.parameters()).device
+
+    def _new_cache(self) -> BatchCache | StaticRows:
+        """The rows' K/V: a growable batch cache, or a static store whose graphs outlive its rows."""
+        if self.static:
+            return StaticRows(self.model, self.slots, graphs=self.step_config.graphs)
+        return BatchCache.for_model(self.model, self.slots)
 
     def __len__(self) -> int:
         """Requests in the batch: decoding, or still being prefilled."""
@@ -238,7 +248,7 @@ class BatchDecoder:
         single = TreeCache.for_model(self.model)
         cached = self.prefix_cache.fill(single, stream.prompt_ids) if self.prefix_cache is not None else 0
         if self.streams and self.chunk_tokens > 0 and self.fast and self.device.type == "cpu" \
-                and fast_forward.supports(self.model):
+                and not self.static and fast_forward.supports(self.model):
             stream.start()
             stream.stats.cached_prompt_tokens = cached
             self.prefilling.append(PrefillJob(stream, single, done=cached))
@@ -274,7 +284,10 @@ class BatchDecoder:
         """
         self.streams = []
         self.prefilling.clear()
-        self.cache = BatchCache.for_model(self.model, self.slots)
+        if self.static:   # the store is kept: its graphs stay valid; stale K/V is finite and masked
+            self.cache.clear()
+        else:
+            self.cache = self._new_cache()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
@@ -359,14 +372,17 @@ class BatchDecoder:
         commit; `forward_s[0]` gets the forward's time."""
         cache = self.cache
         past_len = cache.get_seq_length()
-        param = next(self.model.parameters())
         t0 = time.perf_counter()
-        ids, pos, mask = batch_inputs(trees, cache.row_lengths, past_len, param.dtype, param.device)
-        if job is None:
-            logits = fast_forward.forward(self.model, cache, ids, pos, mask).float()   # [B, T, vocab]
-            first: list[int] | None = None
+        first: list[int] | None = None
+        if self.static:
+            logits = cache.forward(trees)                                             # [B, T, vocab]
         else:
-            logits, first = self._forward_with_chunk(job, ids, pos, mask)
+            param = next(self.model.parameters())
+            ids, pos, mask = batch_inputs(trees, cache.row_lengths, past_len, param.dtype, param.device)
+            if job is None:
+                logits = fast_forward.forward(self.model, cache, ids, pos, mask).float()
+            else:
+                logits, first = self._forward_with_chunk(job, ids, pos, mask)
         forward_s[0] = time.perf_counter() - t0
         verdicts = [accept(tree, logits[b, : len(tree)], stream.sampling, stream.gen)
                     for b, (stream, tree) in enumerate(zip(self.streams, trees, strict=True))]

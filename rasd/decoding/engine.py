@@ -23,9 +23,13 @@ from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
 from rasd.decoding.sizing.cost import context_bucket, load_or_measure
 from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.sizing.sizers import FixedSizer, Sizer, make_sizer
+from rasd.decoding.static_step import StaticRows, StepConfig, shared_rows
 from rasd.decoding.stats import DecodeStats
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict, verify
+
+# a verification step for one request: (tree, sampling, generator) -> (verdict, logits [T, vocab])
+VerifyStep = Callable[[DraftTree, SamplingParams, "torch.Generator | None"], tuple[Verdict, torch.Tensor]]
 
 
 @dataclass
@@ -87,7 +91,8 @@ class SpeculativeDecoder:
 
     def __init__(self, model: torch.nn.Module, proposer: Proposer, *, tokenizer: Any = None,
                  sizer: Sizer | None = None, max_context: int | None = None,
-                 method: str | None = None, fast: bool = True):
+                 method: str | None = None, fast: bool = True, step: StepConfig | None = None):
+        """`step`: how verification forwards run (default: the static, graph-captured path on CUDA)."""
         self.model = install(model) if fast else model
         self.fast = fast
         draft_model = getattr(proposer, "model", None)
@@ -99,6 +104,16 @@ class SpeculativeDecoder:
         self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 2048))
         self.method = method or getattr(proposer, "name", type(proposer).__name__)
         self.device = next(model.parameters()).device
+        self.step = step or StepConfig.for_device(self.device)
+
+    def static_rows(self) -> StaticRows | None:
+        """A one-row static store for a request (kept across requests, so its graphs are captured once),
+        or None when verification runs the dynamic path."""
+        if not self.step.applies(self.model):
+            return None
+        rows = shared_rows(self.model, 1, self.step.graphs)
+        rows.in_use = True
+        return rows
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  eos_token_ids: set[int] | None = None, stop: list[str] | None = None,
@@ -155,28 +170,43 @@ class GenerationStream:
     def __next__(self) -> list[int]:
         return next(self._iter)
 
+    def close(self) -> None:
+        """Abandon the request: its loop ends now and frees what it holds (the kept static store)."""
+        self._iter.close()
+
     @torch.inference_mode()
     def _run(self) -> Iterator[list[int]]:
-        cache = TreeCache.for_model(self.decoder.model)
-        with fast_kernels(self.decoder.fast):
+        dec = self.decoder
+        cache = TreeCache.for_model(dec.model)
+        with fast_kernels(dec.fast):
             first = self.begin(cache)
         yield first
-        while self.reason is None:
-            with fast_kernels(self.decoder.fast):   # per step: never held across a yield to the caller
-                block = self.step(cache)
-            if block:
-                yield block
+        rows = dec.static_rows() if self.reason is None else None
+        try:
+            if rows is not None:      # the prompt's K/V move into the static store; prefill stays eager
+                rows.add_row(cache)
+            verify_step: VerifyStep = rows.verify if rows is not None else (
+                lambda tree, params, gen: verify(dec.model, cache, tree, params, gen))
+            while self.reason is None:
+                with fast_kernels(dec.fast):   # per step: never held across a yield to the caller
+                    block = self.step(verify_step)
+                if block:
+                    yield block
+        finally:
+            if rows is not None:
+                rows.clear()
+                rows.in_use = False
         self.finish()
 
-    def step(self, cache: TreeCache) -> list[int]:
-        """One propose → verify → commit round on this request's own cache."""
+    def step(self, verify_step: VerifyStep) -> list[int]:
+        """One propose → verify → commit round on this request's own cache (dynamic or static)."""
         t0 = time.perf_counter()
         tree = self.propose()
         if tree is None:
             return []
         tree = self.size(tree)
         t1 = time.perf_counter()
-        verdict, logits = verify(self.decoder.model, cache, tree, self.sampling, self.gen)
+        verdict, logits = verify_step(tree, self.sampling, self.gen)
         verify_s = time.perf_counter() - t1
         return self.commit(tree, verdict, logits, t1 - t0, verify_s, alone_s=verify_s)
 
@@ -306,7 +336,7 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
     sizer: Sizer = (make_sizer(sizing, max_nodes, curve_for=curve_for, **sizer_options) if spec.speculates
                     else FixedSizer(0))
     return SpeculativeDecoder(target.model, proposer, tokenizer=target.tokenizer, sizer=sizer,
-                              max_context=target.max_context, method=method)
+                              max_context=target.max_context, method=method, step=getattr(target, "step", None))
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -322,7 +352,8 @@ def _curve_provider(target: Any) -> Callable[[int], Any]:
     def curve_for(context_len: int) -> Any:
         bucket = context_bucket(context_len)
         if bucket not in memo:
-            memo[bucket] = load_or_measure(target.model, target.name, target.device, target.dtype, context_len)
+            memo[bucket] = load_or_measure(target.model, target.name, target.device, target.dtype, context_len,
+                                           step=getattr(target, "step", None))
         return memo[bucket]
 
     return curve_for

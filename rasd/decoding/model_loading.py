@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rasd.decoding.static_step import StepConfig
 from rasd.paths import model_dir, rasd_home, slug  # noqa: F401  (rasd_home, slug: re-exported)
 
 DEFAULT_MODEL = "default"
@@ -45,6 +46,12 @@ class LoadedModel:
     name: str
     device: str
     dtype: str
+    graphs: bool = True    # on CUDA: verify in static shapes captured as CUDA graphs (`--no-graphs`: eager)
+
+    @property
+    def step(self) -> StepConfig:
+        """How this model's verification forwards run (`static_step.StepConfig`)."""
+        return StepConfig.for_device(self.device, self.graphs)
 
     @property
     def max_context(self) -> int:
@@ -147,8 +154,10 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | torch.dtype = "float32",
-               attn_implementation: str = "sdpa") -> LoadedModel:
+               attn_implementation: str = "sdpa", graphs: bool = True) -> LoadedModel:
     """Load a causal LM by hub id, local path or `default`, in eval mode on `device`.
+
+    `graphs`: on CUDA, verify in static shapes replayed as CUDA graphs (False: HF's eager forward).
 
     Why sdpa by default: it accepts our 4-D float tree masks and is the fastest kernel on both CPU and CUDA.
     """
@@ -168,7 +177,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | torc
         raise ModelLoadError(f"cannot load model {name!r}: {str(exc).splitlines()[0]}") from exc
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=device,
-                       dtype=str(torch_dtype).removeprefix("torch."))
+                       dtype=str(torch_dtype).removeprefix("torch."), graphs=graphs)
 
 
 SELF_DRAFT = "eesd"   # --draft-model eesd: the target's own EESD early-exit draft (no second model)

@@ -11,6 +11,7 @@ No Ray here: the Serve deployment and the actors own a `Scheduler` and only move
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +24,9 @@ from rasd.decoding.batch import BatchDecoder
 from rasd.decoding.compute import ComputeThread
 from rasd.decoding.engine import GenerationOutput, GenerationStream
 from rasd.decoding.prefix_cache import PrefixCache
+from rasd.decoding.static_step import StepConfig
+
+log = logging.getLogger(__name__)
 
 # A sink receives ("tokens", list[int]), then exactly one of ("done", GenerationOutput) or ("error", str).
 Sink = Callable[[str, Any], None]
@@ -47,12 +51,12 @@ class Scheduler:
 
     def __init__(self, model: torch.nn.Module, max_batch: int = 8, max_waiting: int = 16, fast: bool = True,
                  threads: int | None = None, compute: ComputeThread | None = None, prefill_chunk: int = 0,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, step: StepConfig | None = None):
         """`compute`: the process's compute thread (a service's); without one the scheduler starts its own.
-        `prefill_chunk`, `prefix_cache`: see `BatchDecoder` (by default a joining request is prefilled at
-        once, and no prefix is reused)."""
+        `prefill_chunk`, `prefix_cache`, `step`: see `BatchDecoder` (by default a joining request is prefilled
+        at once, no prefix is reused, and CUDA verifies in captured static shapes)."""
         self.batch = BatchDecoder(model, fast=fast, slots=max_batch, chunk_tokens=prefill_chunk,
-                                  prefix_cache=prefix_cache)
+                                  prefix_cache=prefix_cache, step=step)
         self.max_batch, self.max_waiting = max_batch, max_waiting
         self._owns_compute = compute is None
         self.compute = compute or ComputeThread(threads, name="rasd-scheduler")
@@ -121,6 +125,7 @@ class Scheduler:
             if self._active:
                 self._step()
         except Exception as exc:   # a bug or OOM in a step fails the requests in it, not the service
+            log.exception("a decoding step failed; its requests end with an error")
             self._fail_all(f"{type(exc).__name__}: {exc}")
 
     def stopped(self) -> None:
@@ -140,6 +145,7 @@ class Scheduler:
         try:
             first = self.batch.add(ticket.stream)
         except Exception as exc:
+            log.exception("a request failed to join the batch")
             self._release()
             ticket.sink("error", f"{type(exc).__name__}: {exc}")
             return

@@ -56,6 +56,7 @@ def run_benchmark(target: LoadedModel, prompts: Sequence[BenchPrompt], config: B
     records = run_prompts(runners, prompts, config.max_new_tokens, config.sampling, config.warmup,
                           config.progress)
     base_meta = {"model": target.name, "device": target.device, "dtype": target.dtype,
+                 "verify_path": target.step.label,
                  "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                  "torch_threads": torch.get_num_threads(), "max_new_tokens": config.max_new_tokens,
                  "draft_model": draft.name if draft is not None else None,
@@ -95,6 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "early-exit self-draft (`optree` uses it by default)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--no-graphs", action="store_true",
+                        help="on CUDA, verify with eager forwards instead of static shapes in CUDA graphs")
     parser.add_argument("--dataset", required=True, help="Spec-Bench question.jsonl or LongBench jsonl")
     parser.add_argument("--task", choices=("generate", "docqa"), default="generate",
                         help="docqa: index each LongBench row's context and ask its question through retrieval")
@@ -157,7 +160,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     items = load_items(args.dataset, args.category, args.limit) if args.task == "generate" else []
-    target = load_model(args.model, device=args.device, dtype=args.dtype)
+    target = load_model(args.model, device=args.device, dtype=args.dtype, graphs=not args.no_graphs)
     draft = load_draft(args.draft_model, target, getattr(args, "eesd", None))
     prompts = _prompts(args, items, target)
     if not prompts:

@@ -20,7 +20,7 @@ from rasd.eval.datasets import BenchPrompt
 if TYPE_CHECKING:
     from rasd.decoding.model_loading import LoadedModel
 
-HF_METHODS = ("hf", "hf-pld", "hf-assisted")
+HF_METHODS = ("hf", "hf-static", "hf-pld", "hf-assisted")
 HF_PLD_NUM_TOKENS = 10  # HF's prompt-lookup window, the value Spec-Bench and the HF docs use
 WARMUP_MAX_NEW_TOKENS = 16
 
@@ -154,7 +154,8 @@ def plain_generation_config(model: Any, eos_ids: Sequence[int], pad_id: int) -> 
 
 
 class HFRunner:
-    """HF `generate` baselines: `hf` (plain), `hf-pld` (prompt lookup), `hf-assisted` (draft model)."""
+    """HF `generate` baselines: `hf` (plain), `hf-static` (HF's fast path: a static cache, whose decode step
+    `generate` compiles on CUDA), `hf-pld` (prompt lookup), `hf-assisted` (draft model)."""
 
     def __init__(self, name: str, target: LoadedModel, sampling: SamplingConfig,
                  draft: LoadedModel | None = None) -> None:
@@ -170,6 +171,7 @@ class HFRunner:
         pad = target.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.streamer_cls = _timing_streamer_class()
+        self.static_cache: Any = None     # hf-static: one cache of a fixed length for every prompt
 
     def _generate_kwargs(self, max_new_tokens: int) -> dict[str, Any]:
         """Stopping and decoding settings identical to what our engine gets."""
@@ -180,6 +182,13 @@ class HFRunner:
         else:
             kwargs.update(do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                           top_k=self.sampling.top_k)
+        if self.name == "hf-static" and self.static_cache is not None:
+            from rasd.decoding.cache import cache_kwargs
+
+            self.static_cache.reset()
+            kwargs.update(cache_kwargs(self.target.model, self.static_cache))
+        elif self.name == "hf-static":
+            kwargs["cache_implementation"] = "static"
         if self.name == "hf-pld":
             kwargs["prompt_lookup_num_tokens"] = HF_PLD_NUM_TOKENS
         elif self.name == "hf-assisted":
@@ -187,7 +196,14 @@ class HFRunner:
         return kwargs
 
     def prepare(self, prompts: Sequence[BenchPrompt], max_new_tokens: int) -> None:
-        """Nothing to calibrate for HF."""
+        """hf-static: one static cache long enough for every prompt. Why fixed: `generate` sizes a static
+        cache per call (prompt + max_new_tokens), and every new length would compile the step again."""
+        if self.name != "hf-static" or not prompts:
+            return
+        from transformers.cache_utils import StaticCache
+
+        longest = max(len(p.input_ids) for p in prompts) + max_new_tokens
+        self.static_cache = StaticCache(config=self.target.model.config, max_cache_len=longest)
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> RunRecord:
         import torch

@@ -326,7 +326,8 @@ def config_from_args(args: Any) -> dict[str, Any]:
 
         index = str(ensure_sample_index(args.model))   # built here, once, not inside the replica
     return {"model": args.model, "index": index, "draft_model": args.draft_model, "device": args.device,
-            "dtype": args.dtype, "method": args.method, "docqa_method": args.docqa_method,
+            "dtype": args.dtype, "graphs": not getattr(args, "no_graphs", False), "method": args.method,
+            "docqa_method": args.docqa_method,
             "max_batch": args.max_batch, "prefill_chunk": getattr(args, "prefill_chunk", 0),
             "prefix_cache_mb": getattr(args, "prefix_cache_mb", 256),
             "max_waiting": args.max_waiting, "max_tokens_limit": args.max_tokens_limit,

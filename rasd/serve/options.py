@@ -15,6 +15,8 @@ def register(subparsers: Any) -> Any:
                         "or `eesd` (the target's own early-exit self-draft)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="on CUDA, run eager forwards instead of static shapes captured as CUDA graphs")
     p.add_argument("--method", default="pld", help="default method of /v1/completions and chat")
     p.add_argument("--docqa-method", default="rasd", help="default method of /v1/docqa")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")

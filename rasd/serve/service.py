@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ from rasd.errors import ApiError
 from rasd.serve.metrics import ServiceMetrics
 from rasd.text import encode_chat, has_chat_template
 
+log = logging.getLogger(__name__)
 SAVE_RECYCLING_EVERY = 16   # finished requests between saves of the recycling matrix (2.3 MB, atomic)
 
 
@@ -47,6 +49,7 @@ class ServeConfig:
     draft_model: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    graphs: bool = True                   # CUDA: verify in captured static shapes (False: eager forwards)
     method: str = "pld"                   # default for /v1/completions and /v1/chat/completions
     docqa_method: str = "rasd"            # default for /v1/docqa
     max_batch: int = 8                    # requests decoded together (one shared forward per step)
@@ -104,7 +107,8 @@ class Service:
 
         self.config = config
         self.compute = ComputeThread(config.threads)
-        self.target = self.compute.run(load_model, config.model, device=config.device, dtype=config.dtype)
+        self.target = self.compute.run(load_model, config.model, device=config.device, dtype=config.dtype,
+                                       graphs=config.graphs)
         self.index = self.compute.run(self._open_index, config.index) if config.index else None
         self._ingest_lock = threading.Lock()
         self._warm: dict[str, dict[str, Any]] = {}   # method -> what the last finished request's sizer learned
@@ -130,7 +134,8 @@ class Service:
         self.drafts = self._start_draft_workers() if config.draft_workers > 0 else None
         prefix = PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb > 0 else None
         self.scheduler = Scheduler(self.target.model, max_batch=config.max_batch, max_waiting=config.max_waiting,
-                                   compute=self.compute, prefill_chunk=config.prefill_chunk, prefix_cache=prefix)
+                                   compute=self.compute, prefill_chunk=config.prefill_chunk, prefix_cache=prefix,
+                                   step=self.target.step)
         # Token Recycling's matrix is shared by every request (hot start) and outlives the process on disk.
         self.recycling_path = matrix_path(self.target.name)
         self.recycling = RecyclingMatrix.load_or_new(self.recycling_path, vocab_size(self.target.model))
@@ -267,7 +272,7 @@ class Service:
         if spec.uses_recycling:
             extra["recycling"] = self.recycling
         draft = self.draft
-        if p.method == "rasd" and self.drafts is not None:   # the draft runs in a worker, not here
+        if spec.remote_draft and self.drafts is not None:   # the draft runs in a worker, not here
             extra["draft_proposer"], draft = self.drafts.remote_draft(), None
         decoder = build_decoder(self.target, p.method, draft=draft, **extra)
         warm_start(decoder.sizer, self._warm.get(p.method))
@@ -311,7 +316,7 @@ class Service:
                     self._warm[p.method] = sizer_state(stream.decoder.sizer)
                     self._finished += 1
                     if self._finished % SAVE_RECYCLING_EVERY == 0:
-                        await asyncio.to_thread(self.save_recycling)
+                        await asyncio.to_thread(self.save_recycling_quietly)
                 if sourced and kind == "tokens":
                     # token_sources only grows, and a block's sources are appended before it is handed out
                     sources = stream.token_sources[seen: seen + len(payload)]
@@ -328,6 +333,15 @@ class Service:
     def save_recycling(self) -> None:
         """Persist the recycling matrix (atomic: a crash mid-save keeps the previous file)."""
         self.recycling.save(self.recycling_path)
+
+    def save_recycling_quietly(self) -> None:
+        """`save_recycling` during a request: a full disk or a read-only home is a warning, never a failed
+        request (the matrix lives on in memory; the previous file stays as it was)."""
+        try:
+            self.save_recycling()
+        except Exception as exc:   # noqa: BLE001 - whatever the filesystem says, the answer was already made
+            log.warning("could not save the recycling matrix to %s (%s: %s)", self.recycling_path,
+                        type(exc).__name__, exc)
 
     async def run(self, p: Prepared) -> GenerationOutput:
         """Decode to completion (non-streaming requests)."""
@@ -389,10 +403,7 @@ class Service:
         self.compute.close()
         if self.drafts is not None:
             self.drafts.close()
-        try:
-            self.save_recycling()
-        except OSError:
-            pass   # a read-only home must not turn a clean shutdown into a crash
+        self.save_recycling_quietly()   # a read-only home must not turn a clean shutdown into a crash
 
 
 def finish_draft(stream: Any) -> None:

@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,8 +138,13 @@ def greedy_continuations(target: torch.nn.Module, prompts: torch.Tensor, gen_tok
     pad = eos[0] if eos else 0
     file = cache / f"{generation_key(target, prompts, gen_tokens, eos)}.pt" if cache is not None else None
     if file is not None and file.exists():
-        tokens = torch.load(file)
-        if tokens.shape == (k, p + gen_tokens):
+        try:
+            tokens = torch.load(file)
+        except Exception as exc:   # noqa: BLE001 - a truncated or foreign file: generate again, rewrite it
+            print(f"rasd: ignoring the unreadable cache {file} ({type(exc).__name__}); generating again",
+                  file=sys.stderr)
+            tokens = None
+        if isinstance(tokens, torch.Tensor) and tokens.shape == (k, p + gen_tokens):
             return tokens
     rows = []
     for start in tqdm(range(0, k, batch), desc=desc, unit="batch"):

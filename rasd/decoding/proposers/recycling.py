@@ -24,6 +24,7 @@ Scores are p̂ in both shapes, so the sizer can rank recycled nodes against othe
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 from pathlib import Path
 
@@ -41,6 +42,8 @@ SOURCE = "recycling"
 # like a next-token distribution's head (the paper's template also gives most children to rank 0 and 1);
 # the default shape is "optree", which uses the recycled probabilities instead.
 RANK_PRIOR = (0.6, 0.15, 0.07, 0.05, 0.04, 0.03, 0.02, 0.02)
+
+log = logging.getLogger(__name__)
 
 
 class RecyclingMatrix:
@@ -128,8 +131,9 @@ class RecyclingMatrix:
         if path is not None and Path(path).exists():
             try:
                 return cls.load(path, vocab_size, k)
-            except (ValueError, OSError, KeyError):
-                pass   # another model's or a damaged file: start cold rather than refuse to decode
+            except Exception as exc:   # noqa: BLE001 - truncated zip, bad array, another model's: all start cold
+                log.warning("recycling matrix %s is unusable (%s: %s); starting cold", path, type(exc).__name__,
+                            exc)
         return cls(vocab_size, k)
 
 

@@ -66,6 +66,7 @@ class MethodSpec:
     gate_block: int | None = None     # with cost sizing, a DraftGate decides per step whether drafting pays
     needs_ldlp: bool = False          # a trained draft-length predictor (AdaEAGLE)
     speculates: bool = True           # False: plain decoding (a tree of the root alone)
+    remote_draft: bool = False        # its model draft may run in a DraftWorker actor (`draft_proposer=`)
     configure: Callable[[DecoderSetup], None] | None = None   # cost-sizing options set by build_decoder
 
     def uses_self_draft(self, draft_model: str | None) -> bool:
@@ -192,7 +193,8 @@ _SPECS = (
                _build_recycling, uses_recycling=True),
     MethodSpec("rasd", "RASD: retrieval tree pruned by the draft, fused with it and recycled tokens",
                lambda i: RasdProposer(i.datastores, draft_model=i.draft_model, recycling=i.recycling, **i.options),
-               draft=OPTIONAL_DRAFT, uses_index=True, uses_recycling=True, gate_block=4, configure=_configure_rasd),
+               draft=OPTIONAL_DRAFT, uses_index=True, uses_recycling=True, gate_block=4, configure=_configure_rasd,
+               remote_draft=True),
     MethodSpec("eesd", "EESD: the target's first layers + a trained exit layer, Thompson-sampled length",
                _build_eesd, draft=SELF_DRAFT, gate_block=8, configure=_configure_self_draft),
     MethodSpec("adaeagle", "AdaEAGLE: a trained predictor of the draft length (LDLP) over a drafter",

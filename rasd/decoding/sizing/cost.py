@@ -12,6 +12,7 @@ import json
 import math
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from rasd.decoding.cache import TreeCache, cache_kwargs
 from rasd.decoding.kernels import fast_kernels, install
+from rasd.decoding.static_step import StaticRows, StepConfig
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import tree_forward
 from rasd.fsio import atomic_file
@@ -95,18 +97,22 @@ def context_bucket(context_len: int) -> int:
     return min(CONTEXT_BUCKETS, key=lambda b: abs(math.log(b) - math.log(max(context_len, 1))))
 
 
-def curve_key(model: torch.nn.Module, name: str, device: str, dtype: str, bucket: int) -> str:
-    """Cache key: a model identity (name + config hash), device, dtype, threads and context bucket."""
+def curve_key(model: torch.nn.Module, name: str, device: str, dtype: str, bucket: int,
+              step: StepConfig | None = None) -> str:
+    """Cache key: a model identity (name + config hash), device, dtype, threads, context bucket, and the
+    verification path when it is not the dynamic one (a captured step costs something else)."""
     cfg = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
     digest = hashlib.sha256(cfg.encode()).hexdigest()[:10]
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[-40:]
-    return (f"{safe}-{digest}-{device.replace(':', '')}-{dtype}-t{torch.get_num_threads()}-ctx{bucket}"
+    path = f"-{step.label}" if step is not None and step.applies(model) else ""
+    return (f"{safe}-{digest}-{device.replace(':', '')}-{dtype}-t{torch.get_num_threads()}-ctx{bucket}{path}"
             f"-v{CURVE_VERSION}")
 
 
 @torch.inference_mode()
 def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ...] = DEFAULT_SIZES,
-                  repeats: int = 5, key: str = "", progress: bool = True) -> CostCurve:
+                  repeats: int = 5, key: str = "", progress: bool = True, step: StepConfig | None = None
+                  ) -> CostCurve:
     """Time tree verification forwards of each size on top of a `context_len`-token cache.
 
     A chain tree is used: the mask shape, not its pattern, decides the cost. The fastest of `repeats`
@@ -122,6 +128,7 @@ def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ..
     probe = machine_probe()
     cache = TreeCache.for_model(model)
     model(input_ids=context, use_cache=True, **cache_kwargs(model, cache))
+    forward = _timed_forward(model, cache, step)
     trees = {size: DraftTree.chain(1, [int(t) for t in torch.randint(0, vocab, (size - 1,), generator=gen)],
                                    "probe") for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
@@ -132,16 +139,33 @@ def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ..
             _sync(device)
             t0 = time.perf_counter()
             with fast_kernels():
-                tree_forward(model, cache, trees[size])
+                forward(trees[size])
             _sync(device)
             if rep:
                 times[size].append(time.perf_counter() - t0)
-            cache.crop(-size)
     probe = (probe + machine_probe()) / 2   # load before and after the timings
     latencies = [min(times[size]) for size in sizes]
     for i in range(1, len(latencies)):
         latencies[i] = max(latencies[i], latencies[i - 1])
     return CostCurve(key=key, context_len=context_len, sizes=list(sizes), latency_s=latencies, probe_s=probe)
+
+
+def _timed_forward(model: torch.nn.Module, cache: TreeCache, step: StepConfig | None
+                   ) -> Callable[[DraftTree], None]:
+    """One verification forward of a tree on top of `cache`'s context, undone afterwards: the dynamic
+    path's, or the static one's (the curve must price the forward the engine will run)."""
+    if step is None or not step.applies(model):
+        def dynamic(tree: DraftTree) -> None:
+            tree_forward(model, cache, tree)
+            cache.crop(-len(tree))
+        return dynamic
+    rows = StaticRows(model, 1, graphs=step.graphs)
+    rows.add_row(cache)
+
+    def static(tree: DraftTree) -> None:
+        rows.forward([tree])
+        rows.keep_rows(rows.get_seq_length(), [[]])
+    return static
 
 
 def _sync(device: torch.device) -> None:
@@ -150,21 +174,22 @@ def _sync(device: torch.device) -> None:
 
 
 def load_or_measure(model: torch.nn.Module, name: str, device: str, dtype: str, context_len: int,
-                    cache_dir: Path | None = None) -> CostCurve:
-    """The cached curve for this (model, device, dtype, threads, bucket), measuring it on first use."""
+                    cache_dir: Path | None = None, step: StepConfig | None = None) -> CostCurve:
+    """The cached curve for this (model, device, dtype, threads, bucket, path), measuring it on first use."""
     bucket = context_bucket(context_len)
-    key = curve_key(model, name, device, dtype, bucket)
+    key = curve_key(model, name, device, dtype, bucket, step)
     folder = cache_dir or cost_dir()
     path = folder / f"{key}.json"
     trusted = _TRUSTED.get(path)
     if trusted is not None and time.monotonic() - trusted[0] < TRUSTED_FOR_S and path.exists():
         return trusted[1]
-    curve = _read_or_measure(model, path, key, bucket)
+    curve = _read_or_measure(model, path, key, bucket, step)
     _TRUSTED[path] = (time.monotonic(), curve)
     return curve
 
 
-def _read_or_measure(model: torch.nn.Module, path: Path, key: str, bucket: int) -> CostCurve:
+def _read_or_measure(model: torch.nn.Module, path: Path, key: str, bucket: int,
+                     step: StepConfig | None = None) -> CostCurve:
     """The curve on disk unless it is unreadable or was measured on a busier machine; else a new one."""
     if path.exists():
         try:
@@ -173,7 +198,7 @@ def _read_or_measure(model: torch.nn.Module, path: Path, key: str, bucket: int) 
             cached = None   # a corrupt file is re-measured, never trusted
         if cached is not None and not _measured_busy(cached):
             return cached
-    curve = measure_curve(model, bucket, key=key)
+    curve = measure_curve(model, bucket, key=key, step=step)
     _atomic_write_json(path, asdict(curve))
     return curve
 
