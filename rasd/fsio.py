@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,13 +91,36 @@ def write_json_atomic(path: Path, obj: Any, stage: str | None = None) -> None:
         fh.write("\n")
 
 
+class LockTimeout(TimeoutError):
+    """Another writer held the index's lock for longer than the caller would wait."""
+
+
 @contextlib.contextmanager
-def writer_lock(root: Path) -> Iterator[None]:
-    """Hold the index's exclusive writer lock (blocking until another writer finishes)."""
+def writer_lock(root: Path, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold the index's exclusive writer lock: wait for another writer to finish, for ever (a CLI) or at most
+    `timeout_s` (a service: a request must not hang on a writer that never ends), then `LockTimeout`."""
     fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        _acquire(fd, root, timeout_s)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _acquire(fd: int, root: Path, timeout_s: float | None) -> None:
+    if timeout_s is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise LockTimeout(f"{root}: another writer has held the index lock for over {timeout_s:g} s; "
+                                  "retry when it is done") from None
+            time.sleep(0.05)

@@ -27,6 +27,7 @@ from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.static_step import StepConfig
 
 log = logging.getLogger(__name__)
+STALL_S = 30.0   # busy with no finished step for this long: unhealthy
 
 # A sink receives ("tokens", list[int]), then exactly one of ("done", GenerationOutput) or ("error", str).
 Sink = Callable[[str, Any], None]
@@ -66,6 +67,7 @@ class Scheduler:
         self._stopped = False
         self._inflight = 0                          # submitted and not yet finished, failed or dropped
         self.steps = 0
+        self.last_progress = time.monotonic()       # when a unit of work last finished (or work arrived)
         self.compute.attach(self)
 
     @property
@@ -83,6 +85,8 @@ class Scheduler:
                 raise Overloaded(f"{self._inflight} requests admitted (batch {self.max_batch} + queue "
                                  f"{self.max_waiting}); retry later")
             ticket = Ticket(stream, sink)
+            if not self._waiting and not self._active:   # idle until now: the clock starts with this request
+                self.last_progress = time.monotonic()
             self._waiting.append(ticket)
             self._inflight += 1
             self._cond.notify()
@@ -91,6 +95,13 @@ class Scheduler:
     def cancel(self, ticket: Ticket) -> None:
         """The caller went away: the request leaves the batch before the next step."""
         ticket.cancelled = True
+
+    def stalled(self, limit_s: float = STALL_S) -> bool:
+        """Requests wait or run and nothing has finished for `limit_s`: the loop is stuck (a hung step, a
+        call queued on the compute thread that never returns). `/healthz` turns this into a 503."""
+        with self._cond:
+            busy = bool(self._waiting or self._active)
+        return busy and time.monotonic() - self.last_progress > limit_s
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests: waiting = admitted but not yet in the batch."""
@@ -124,6 +135,7 @@ class Scheduler:
             self._drop_cancelled()
             if self._active:
                 self._step()
+            self.last_progress = time.monotonic()
         except Exception as exc:   # a bug or OOM in a step fails the requests in it, not the service
             log.exception("a decoding step failed; its requests end with an error")
             self._fail_all(f"{type(exc).__name__}: {exc}")

@@ -23,10 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from rasd.errors import ApiError
 from rasd.index.manifest import read_manifest
 from rasd.index.store import Hit, Index, IndexReader
 
 LOOKUP_TIMEOUT_S = 0.5     # a lookup slower than this costs more than the drafts it could give
+CALL_TIMEOUT_S = 30.0      # a vector search or document fetch: a request waits this long, then gets a 503
+START_TIMEOUT_S = 120.0    # shards loading their segments at start-up or after an ingest
 
 
 class RetrievalShard:
@@ -97,6 +100,21 @@ class RemoteDatastore:
             return 0, []
 
 
+def _get(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+    """`ray.get` with a deadline: a shard that hangs (or keeps restarting) costs a request a clear 503, never
+    an endless wait on the thread that runs every request's decoding."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError as exc:
+        for ref in refs:
+            ray.cancel(ref)
+        raise ApiError(503, f"the retrieval shards did not finish {what} in {timeout_s:g} s; retry later",
+                       "server_error") from exc
+
+
 def assign_segments(names: Sequence[str], num_shards: int) -> list[list[str]]:
     """Round-robin segments over at most `num_shards` shards (never an empty shard)."""
     shards = max(1, min(num_shards, len(names)))
@@ -129,7 +147,7 @@ class ShardedIndex(IndexReader):
         self.assignment = assign_segments(names, self.num_shards)
         remote = ray.remote(RetrievalShard).options(**self.actor_options)
         self.actors = [remote.remote(str(self.root), seg) for seg in self.assignment]
-        ray.get([a.segment_names.remote() for a in self.actors])      # fail here, not in the first request
+        _get([a.segment_names.remote() for a in self.actors], START_TIMEOUT_S, "starting")   # fail here, not later
         entries = {e["name"]: e for e in manifest["segments"]}
         self._doc_ranges = [[(int(entries[n]["doc_id_start"]), int(entries[n]["num_documents"])) for n in seg]
                             for seg in self.assignment]
@@ -160,9 +178,9 @@ class ShardedIndex(IndexReader):
     # ------------------------------------------------------------------ search
     def search_vectors(self, query_vectors: np.ndarray, k: int) -> list[list[Hit]]:
         """Every shard searches at once; the k best over all of them, ties by chunk id (as `Index`)."""
-        import ray
 
-        per_shard = ray.get([a.search_vectors.remote(query_vectors, k) for a in self.actors])
+        per_shard = _get([a.search_vectors.remote(query_vectors, k) for a in self.actors], CALL_TIMEOUT_S,
+                         "searching")
         out = []
         for qi in range(len(query_vectors)):
             hits = [h for shard in per_shard for h in shard[qi]]
@@ -188,14 +206,12 @@ class ShardedIndex(IndexReader):
 
     def _by_shard(self, method: str, doc_ids: Sequence[int]) -> list[Any]:
         """One call per shard holding any of the ids, in parallel; results in the order asked."""
-        import ray
-
         groups: dict[int, list[int]] = {}
         for d in doc_ids:
             groups.setdefault(self._shard_of(int(d)), []).append(int(d))
         refs = {i: getattr(self.actors[i], method).remote(ids) for i, ids in groups.items()}
-        found = {i: dict(zip(groups[i], res, strict=True)) for i, res in zip(refs, ray.get(list(refs.values())),
-                                                                             strict=True)}
+        answers = _get(list(refs.values()), CALL_TIMEOUT_S, f"reading {method}")
+        found = {i: dict(zip(groups[i], res, strict=True)) for i, res in zip(refs, answers, strict=True)}
         return [found[self._shard_of(int(d))][int(d)] for d in doc_ids]
 
     def check_tokenizer(self, tokenizer: Any) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rasd.fsio import LOCK_NAME, crash_point, fsync_dir, writer_lock
 from rasd.index.chunking import load_tokenizer, tokenize_documents, tokenizer_fingerprint
@@ -75,15 +77,31 @@ def _next_segment_name(manifest: dict[str, Any]) -> str:
     return name
 
 
-def _embed_fn(embedder: Any, progress: bool) -> Any:
-    return lambda texts: embed_texts(embedder, texts, progress=progress)
+# Chunks embedded per call when the torch work is handed to another thread (`run_torch`): a service's compute
+# thread runs decoding steps between calls, so a large ingest never stops streams for more than one slice.
+EMBED_SLICE = 16
+
+# Where torch work runs: `run_torch(fn, *args)` returns fn(*args) (a service passes its compute thread's `run`).
+RunTorch = Callable[..., Any]
+
+
+def _embed_fn(embedder: Any, progress: bool, run_torch: RunTorch | None = None) -> Any:
+    """`embed(texts) -> [n, dim]`: directly, or in slices of EMBED_SLICE through `run_torch`."""
+    if run_torch is None:
+        return lambda texts: embed_texts(embedder, texts, progress=progress)
+
+    def sliced(texts: Sequence[str]) -> np.ndarray:
+        parts = [run_torch(embed_texts, embedder, texts[i:i + EMBED_SLICE])
+                 for i in range(0, len(texts), EMBED_SLICE)]
+        return np.concatenate(parts) if parts else run_torch(embed_texts, embedder, [])
+    return sliced
 
 
 def _segment_data(docs: list[Document], tokenizer: Any, embedder: Any, doc_id_start: int, chunk_id_start: int,
-                  chunking: dict[str, int], progress: bool) -> SegmentData:
+                  chunking: dict[str, int], progress: bool, run_torch: RunTorch | None = None) -> SegmentData:
     tokenized = tokenize_documents(tokenizer, [d.text for d in docs], progress=progress)
-    return make_segment_data(docs, tokenized, _embed_fn(embedder, progress), doc_id_start, chunk_id_start,
-                             chunking["chunk_tokens"], chunking["overlap"])
+    return make_segment_data(docs, tokenized, _embed_fn(embedder, progress, run_torch), doc_id_start,
+                             chunk_id_start, chunking["chunk_tokens"], chunking["overlap"])
 
 
 def _check_out_dir(root: Path, overwrite: bool) -> dict[str, Any] | None:
@@ -164,16 +182,20 @@ def _resolve_embedder(manifest: dict[str, Any], embedder: str | None) -> Any:
 
 
 def add_documents(path: str | Path, paths: Sources, model: str | None = None, embedder: str | None = None,
-                  progress: bool = False) -> Index:
-    """Append documents as a new segment (no rebuild); ids continue after the existing ones."""
+                  progress: bool = False, run_torch: RunTorch | None = None,
+                  lock_timeout_s: float | None = None) -> Index:
+    """Append documents as a new segment (no rebuild); ids continue after the existing ones.
+
+    `run_torch`: where embedding runs, in slices (a service's compute thread); `lock_timeout_s`: how long to
+    wait for another writer before `LockTimeout` (None: as long as it takes)."""
     root = Path(path)
     manifest = read_manifest(root)
     docs = load_documents(paths)
     tokenizer = _resolve_tokenizer(manifest, model)
     emb = _resolve_embedder(manifest, embedder)
     data_chunking, data_tokenizer = manifest["chunking"], manifest["tokenizer"]
-    data = _segment_data(docs, tokenizer, emb, 0, 0, manifest["chunking"], progress)
-    with writer_lock(root):
+    data = _segment_data(docs, tokenizer, emb, 0, 0, manifest["chunking"], progress, run_torch)
+    with writer_lock(root, lock_timeout_s):
         manifest = read_manifest(root)           # the committed state under the lock
         if manifest["chunking"] != data_chunking or manifest["tokenizer"] != data_tokenizer:
             raise IndexInputError(f"{root}: the index was rebuilt while documents were being added; add again")

@@ -95,6 +95,22 @@ def _plain_view(step_s: float | None) -> dict[str, float] | None:
     return None if not step_s else {"step_s": round(step_s, 6), "tokens_per_s": round(1.0 / step_s, 3)}
 
 
+async def _admitted(events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[tuple[str, Any]]:
+    """A request's events, started up to its first one before the response is: admission (429), a bad
+    method or a failed prefill are then real HTTP statuses for a stream too, not an error event after a 200.
+    The first event (the prefill's token) is what a streaming client waits for anyway."""
+    first = await anext(events, None)
+
+    async def replay() -> AsyncIterator[tuple[str, Any]]:
+        if first is None:
+            return
+        yield first
+        async for event in events:
+            yield event
+
+    return replay()
+
+
 @serve.deployment(name="RasdServer", max_ongoing_requests=256, health_check_period_s=10)
 @serve.ingress(api)
 class RasdServer:
@@ -114,9 +130,10 @@ class RasdServer:
             service.close()
 
     def check_health(self) -> None:
-        """Serve restarts the replica when the scheduler thread has died."""
-        if not self.service.healthy():
-            raise RuntimeError("the scheduler thread is not running")
+        """Serve restarts the replica when the scheduler thread has died or is stuck."""
+        problem = self.service.health_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
 
     # ------------------------------------------------------------------ web page (no API key: static files)
     @api.get("/", response_class=HTMLResponse)
@@ -135,15 +152,19 @@ class RasdServer:
 
     # ------------------------------------------------------------------ small endpoints
     @api.get("/healthz")
-    async def healthz(self) -> dict[str, Any]:
+    async def healthz(self) -> Any:
+        """200 with the service's state, or 503 when its decoding loop is dead or stuck with work waiting."""
         service = self.service
         running, waiting = service.load()
-        return {"status": "ok", "model": self.config.model_name, "auth": self.api_key is not None,
+        problem = service.health_problem()
+        body = {"status": "ok" if problem is None else "unhealthy", "problem": problem,
+                "model": self.config.model_name, "auth": self.api_key is not None,
                 "running": running, "waiting": waiting,
                 "index": None if service.index is None else str(service.index.root),
                 "torch_threads": None if service.scheduler is None else service.scheduler.loop_threads,
                 "omp": os.environ.get("OMP_NUM_THREADS"),
                 "verifier": None if service.verifier is None else service.verifier.name}
+        return body if problem is None else JSONResponse(body, status_code=503)
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -162,6 +183,7 @@ class RasdServer:
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Any:
         check_prompt(body, self.limits)
+        self.service.check_capacity()
         self.service.check_model(body.model)
         ids = await asyncio.to_thread(self.service.encode_text, body.prompt_text())
         prepared = self.service.prepare(body, ids, self.config.method, 16)
@@ -170,6 +192,7 @@ class RasdServer:
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatRequest) -> Any:
         check_chat(body, self.limits)
+        self.service.check_capacity()
         self.service.check_model(body.model)
         ids = await asyncio.to_thread(self.service.encode_chat, [m.model_dump() for m in body.messages])
         prepared = self.service.prepare(body, ids, self.config.method, None)
@@ -178,11 +201,13 @@ class RasdServer:
     @api.post("/v1/docqa")
     async def docqa(self, body: DocQARequest) -> Any:
         check_question(body, self.limits)
+        self.service.check_capacity()
         ids, sources = await asyncio.to_thread(self.service.docqa_prompt, body.question, body.top_k_sources,
                                                body.max_tokens)
         prepared = self.service.prepare(body, ids, self.config.docqa_method, 256, sources)
         if body.stream:
-            return StreamingResponse(self._docqa_stream(prepared), media_type="text/event-stream")
+            events = await _admitted(self.service.events(prepared, sourced=True))
+            return StreamingResponse(self._docqa_stream(prepared, events), media_type="text/event-stream")
         start = time.perf_counter()
         output = await self.service.run(prepared)
         self.service.metrics.record("docqa", output.stats, time.perf_counter() - start)
@@ -202,7 +227,8 @@ class RasdServer:
     # ------------------------------------------------------------------ helpers
     async def _generate(self, endpoint: str, body: Any, prepared: Prepared, chat: bool) -> Any:
         if body.stream:
-            return StreamingResponse(self._sse(endpoint, prepared, chat), media_type="text/event-stream")
+            events = await _admitted(self.service.events(prepared))
+            return StreamingResponse(self._sse(endpoint, prepared, chat, events), media_type="text/event-stream")
         start = time.perf_counter()
         output = await self.service.run(prepared)
         self.service.metrics.record(endpoint, output.stats, time.perf_counter() - start)
@@ -211,12 +237,13 @@ class RasdServer:
                                usage=_usage(len(prepared.prompt_ids), output),
                                rasd=_stats_view(output))
 
-    async def _sse(self, endpoint: str, prepared: Prepared, chat: bool) -> AsyncIterator[str]:
+    async def _sse(self, endpoint: str, prepared: Prepared, chat: bool,
+                   events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[str]:
         rid, model = new_id("chatcmpl" if chat else "cmpl"), self.config.model_name
         text = Detokenizer(self.service.target.tokenizer, prepared.stop)
         start, first = time.perf_counter(), True
         try:
-            async for kind, payload in self.service.events(prepared):
+            async for kind, payload in events:
                 if kind == "tokens":
                     delta = text.push(payload)
                     if delta or first:
@@ -233,7 +260,8 @@ class RasdServer:
             yield sse(exc.body())
         yield sse("[DONE]")
 
-    async def _docqa_stream(self, prepared: Prepared) -> AsyncIterator[str]:
+    async def _docqa_stream(self, prepared: Prepared, events: AsyncIterator[tuple[str, Any]]
+                            ) -> AsyncIterator[str]:
         """Events: {"sources": [...]} first, then one {"delta": text, "pieces", "token_sources", "plain_decoding"}
         per committed block, then the final answer object, then [DONE].
 
@@ -245,7 +273,7 @@ class RasdServer:
         text = SourcedText(self.service.target.tokenizer, prepared.stop)
         start = time.perf_counter()
         try:
-            async for kind, payload in self.service.events(prepared, sourced=True):
+            async for kind, payload in events:
                 if kind == "tokens":
                     delta, pieces = text.push(payload.tokens, payload.sources)
                     yield sse({"delta": delta, "pieces": pieces, "token_sources": payload.sources,

@@ -29,7 +29,7 @@ from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.proposers import METHODS, RecyclingMatrix, method_spec
 from rasd.decoding.proposers.recycling import matrix_path
 from rasd.decoding.sampling import SamplingParams
-from rasd.decoding.scheduler import Overloaded, Scheduler
+from rasd.decoding.scheduler import STALL_S, Overloaded, Scheduler
 from rasd.decoding.sizing.sizers import CostAwareSizer
 from rasd.distributed.draft_worker import DraftPool, check_spec, worker_spec
 from rasd.errors import ApiError
@@ -37,6 +37,7 @@ from rasd.serve.metrics import ServiceMetrics
 from rasd.text import encode_chat, has_chat_template
 
 log = logging.getLogger(__name__)
+INGEST_LOCK_TIMEOUT_S = 60.0   # how long an ingest waits for another writer (CLI, another replica)
 SAVE_RECYCLING_EVERY = 16   # finished requests between saves of the recycling matrix (2.3 MB, atomic)
 
 
@@ -109,8 +110,10 @@ class Service:
         self.compute = ComputeThread(config.threads)
         self.target = self.compute.run(load_model, config.model, device=config.device, dtype=config.dtype,
                                        graphs=config.graphs)
+        self._index_stamp = manifest_stamp(config.index)
         self.index = self.compute.run(self._open_index, config.index) if config.index else None
         self._ingest_lock = threading.Lock()
+        self._reopen_lock = threading.Lock()
         self._warm: dict[str, dict[str, Any]] = {}   # method -> what the last finished request's sizer learned
         self._finished = 0
         self.verifier: Any = None
@@ -156,18 +159,56 @@ class Service:
                 ids = torch.tensor([self.encode_text("Warm up.")], device=self.target.model.device)
                 self.target.model(input_ids=ids)
 
+    def check_capacity(self) -> None:
+        """429 before a request costs any work (tokenizing, vector search, building its decoder) when the
+        local scheduler is already full. A request that passes may still meet a full scheduler at submit
+        (others got there first): that too is a 429 (`events`). With a verifier actor the actor decides."""
+        if self.verifier is not None:
+            return
+        running, waiting = self.scheduler.load()
+        capacity = self.scheduler.max_batch + self.scheduler.max_waiting
+        if running + waiting >= capacity:
+            raise ApiError(429, f"the service is at capacity: {running} running, {waiting} waiting "
+                                f"(batch {self.scheduler.max_batch} + queue {self.scheduler.max_waiting}); "
+                                "retry later", "rate_limit_error")
+
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests, wherever they decode."""
         return self.verifier.load() if self.verifier is not None else self.scheduler.load()
 
     def healthy(self) -> bool:
-        """False when the local scheduler thread has died (a verifier actor is restarted by Ray itself)."""
-        return self.compute.is_alive()
+        """False when the local scheduler thread has died or is stuck with work waiting (a verifier actor is
+        restarted by Ray itself)."""
+        return not self.health_problem()
+
+    def health_problem(self) -> str | None:
+        """Why the service is unhealthy, or None."""
+        if not self.compute.is_alive():
+            return "the compute thread is not running"
+        if self.scheduler is not None and self.scheduler.stalled():
+            return f"requests are waiting and no decoding step finished for {STALL_S:g} s"
+        return None
 
     def reopen_index(self) -> None:
         """Serve the latest committed index state (after another process added documents)."""
         if self.config.index:
+            stamp = manifest_stamp(self.config.index)
             self.index = self.compute.run(self._open_index, self.config.index)
+            self._index_stamp = stamp
+
+    def fresh_index(self) -> Any:
+        """The index as any writer last committed it (a CLI `add` / `compact`, another replica): reopened
+        when its manifest changed since it was opened, so a request never serves a stale state. The old
+        Index object stays valid for requests already using it (its files are memory-mapped)."""
+        if self.index is not None and manifest_stamp(self.config.index) != self._index_stamp:
+            # never blocking: an ingest in progress waits on the compute thread, which may be the caller
+            if self._reopen_lock.acquire(blocking=False):
+                try:
+                    if manifest_stamp(self.config.index) != self._index_stamp:
+                        self.reopen_index()
+                finally:
+                    self._reopen_lock.release()
+        return self.index
 
     def _open_index(self, path: str) -> Any:
         from rasd.index.store import Index, check_tokenizer
@@ -256,6 +297,7 @@ class Service:
             raise ApiError(400, "this service has no index; start it with --index", param="question")
         if not question.strip():
             raise ApiError(400, "the question is empty", param="question")
+        self.fresh_index()
         hits = self._search(question, top_k)
         sources = [Source.from_hit(h) for h in hits]
         budget = self.target.max_context - (max_tokens or 256) - 1
@@ -267,7 +309,8 @@ class Service:
     # ------------------------------------------------------------------ decoding
     def _stream_for(self, p: Prepared) -> Any:
         spec = method_spec(p.method)
-        datastores = self.index.datastores() if (self.index is not None and spec.uses_index) else None
+        index = self.fresh_index() if spec.uses_index else self.index
+        datastores = index.datastores() if (index is not None and spec.uses_index) else None
         extra = {"datastores": datastores} if datastores is not None else {}
         if spec.uses_recycling:
             extra["recycling"] = self.recycling
@@ -369,11 +412,14 @@ class Service:
 
     # ------------------------------------------------------------------ documents
     def add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
-        """Append documents as a new index segment (durable when this returns), then serve from it."""
-        return self.compute.run(self._add_documents, docs)
+        """Append documents as a new index segment (durable when this returns), then serve from it.
 
-    def _add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
-        """On the compute thread: embedding runs torch (and decoding pauses meanwhile)."""
+        Called on a worker thread, never the compute thread: tokenizing, chunking, suffix arrays and the
+        segment's files happen here, beside decoding; only the embedding (torch) goes to the compute thread,
+        EMBED_SLICE chunks at a time, so running streams keep getting tokens between slices. Another writer
+        holding the index's lock for over INGEST_LOCK_TIMEOUT_S is a 503, not a request that never ends.
+        """
+        from rasd.fsio import LockTimeout
         from rasd.index.documents import Document
         from rasd.index.writer import add_documents
 
@@ -383,11 +429,15 @@ class Service:
                               external_id=d.get("id")) for d in docs]
         with self._ingest_lock:
             before = self.index.num_documents
-            index = add_documents(self.index.root, documents, model=self.config.model)
+            try:
+                index = add_documents(self.index.root, documents, model=self.config.model,
+                                      run_torch=self.compute.run, lock_timeout_s=INGEST_LOCK_TIMEOUT_S)
+            except LockTimeout as exc:
+                raise ApiError(503, str(exc), "service_unavailable") from exc
             if hasattr(self.index, "refresh"):      # sharded: the shards reopen the new committed state
                 self.index.refresh()
                 index = self.index
-            self.index = index
+            self.index, self._index_stamp = index, manifest_stamp(self.config.index)
             if self.verifier is not None:           # its token datastores must include the new segment
                 self.verifier.refresh_index()
         return {"added": index.num_documents - before, "num_documents": index.num_documents,
@@ -404,6 +454,17 @@ class Service:
         if self.drafts is not None:
             self.drafts.close()
         self.save_recycling_quietly()   # a read-only home must not turn a clean shutdown into a crash
+
+
+def manifest_stamp(index: str | None) -> tuple[int, int, int] | None:
+    """What changes when any writer commits the index (an atomic rename of its manifest): inode, size, mtime."""
+    if not index:
+        return None
+    try:
+        st = os.stat(os.path.join(index, "manifest.json"))
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def finish_draft(stream: Any) -> None:

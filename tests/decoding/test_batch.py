@@ -394,3 +394,27 @@ def test_a_failing_step_fails_every_request_in_it_and_the_scheduler_keeps_servin
         assert_greedy_equal(model, prompt, after[-1][1].token_ids, hf_greedy(model, prompt, 20), label="after")
     finally:
         scheduler.close()
+
+
+def test_a_stuck_loop_reports_stalled_and_recovers() -> None:
+    """Work waiting while the compute thread is held by something that does not return: `stalled` (what
+    /healthz turns into a 503); once the thread is free and the request done, healthy again."""
+    model = tiny_llama(0)
+    scheduler = Scheduler(model, max_batch=2, max_waiting=2)
+    try:
+        assert not scheduler.stalled(0.2), "idle is not stalled"
+        blocker = scheduler.compute.call(time.sleep, 1.5)
+        done = threading.Event()
+
+        def sink(kind: str, _: Any) -> None:
+            if kind in ("done", "error"):
+                done.set()
+
+        scheduler.submit(decoder(model, "ar").stream(random_prompt(8, 0), 4), sink)
+        time.sleep(0.8)
+        assert scheduler.stalled(0.5)
+        blocker.result(10)
+        assert done.wait(60)
+        assert not scheduler.stalled(0.5)
+    finally:
+        scheduler.close()

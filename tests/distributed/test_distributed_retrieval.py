@@ -160,3 +160,25 @@ def test_service_with_sharded_index_answers_like_in_process(ray_local: None, tmp
             if shards:
                 service.index.close()
     assert answers[2] == answers[0]
+
+
+def test_a_shard_that_hangs_costs_a_503_not_an_endless_wait(ray_local: None) -> None:
+    """Every call to the shards has a deadline: a hung actor turns into ApiError 503 within it."""
+    import ray
+
+    from rasd.distributed.retrieval import _get
+    from rasd.errors import ApiError
+
+    @ray.remote
+    class Hung:
+        def search_vectors(self, *_: object) -> list:
+            time.sleep(30)
+            return []
+
+    actor = Hung.remote()
+    start = time.monotonic()
+    with pytest.raises(ApiError) as err:
+        _get([actor.search_vectors.remote(None, 1)], 1.0, "searching")
+    assert err.value.status == 503 and "did not finish searching" in err.value.message
+    assert time.monotonic() - start < 10
+    ray.kill(actor)

@@ -258,6 +258,29 @@ def test_add_then_compact_equals_one_shot(one_shot: Index, tiny_tok: str, tmp_pa
     assert Index.open(root, verify=True).num_chunks == one_shot.num_chunks
 
 
+def test_embedding_handed_to_another_thread_runs_in_slices(one_shot: Index, tiny_tok: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service passes its compute thread as `run_torch`: embedding goes there EMBED_SLICE chunks at a time
+    (so decoding steps run between slices), and the index is the same as one embedded in one call."""
+    from rasd.index import writer
+
+    monkeypatch.setattr(writer, "EMBED_SLICE", 4)
+    docs = topic_documents()
+    root = tmp_path / "sliced"
+    build_index(docs[:1], root, model=tiny_tok, chunk_tokens=24, overlap=6)
+    sizes: list[int] = []
+
+    def run_torch(fn, *args):   # noqa: ANN001, ANN202 - a stand-in for ComputeThread.run
+        sizes.append(len(args[1]))
+        return fn(*args)
+
+    grown = add_documents(root, docs[1:], run_torch=run_torch)
+    assert sum(sizes) == grown.num_chunks - grown.segments[0].chunks.num_rows
+    assert len(sizes) > 1 and max(sizes) <= 4
+    assert _hit_keys(grown) == _hit_keys(one_shot)
+    np.testing.assert_allclose(_scores(grown), _scores(one_shot), atol=1e-5)
+
+
 def test_compaction_reuses_embeddings(tiny_tok: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     docs = topic_documents(repeat=1)
     build_index(docs[:3], tmp_path / "i", model=tiny_tok, chunk_tokens=24, overlap=6)
@@ -451,3 +474,31 @@ def test_cli_errors_are_one_line_exit_2(tiny_tok: str, tmp_path: Path, capsys: p
     assert code == 2 and out == ""
     assert err.startswith("rasd: error: ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "o").exists()                            # a failed build creates nothing
+
+
+def test_the_writer_lock_waits_at_most_its_timeout(tmp_path: Path) -> None:
+    """A service's ingest must not hang on a writer that never finishes (a stuck CLI `add`, another replica)."""
+    import threading
+    import time
+
+    from rasd.fsio import LockTimeout, writer_lock
+
+    held, release = threading.Event(), threading.Event()
+
+    def other_writer() -> None:
+        with writer_lock(tmp_path):
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other_writer)
+    thread.start()
+    assert held.wait(5)
+    start = time.monotonic()
+    with pytest.raises(LockTimeout, match="another writer"):
+        with writer_lock(tmp_path, timeout_s=0.3):
+            pass
+    assert 0.3 <= time.monotonic() - start < 3
+    release.set()
+    thread.join(5)
+    with writer_lock(tmp_path, timeout_s=0.3):     # free again: taken at once
+        pass

@@ -8,7 +8,9 @@ the OpenAI error format, the API key, limits (429) and document ingest.
 from __future__ import annotations
 
 import json
+import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -238,18 +240,22 @@ def test_bad_requests_get_openai_style_errors(service: dict[str, Any]) -> None:
 
 
 def test_overload_gets_429_not_an_unbounded_queue(service: dict[str, Any]) -> None:
+    """Half the requests stream: a refused stream gets a real 429 status with a JSON error, never a 200
+    whose event stream then carries the error."""
     statuses: list[int] = []
     lock = threading.Lock()
 
-    def go() -> None:
+    def go(stream: bool) -> None:
         r = service["client"].post("/v1/completions", json={"prompt": "Count slowly:", "max_tokens": 48,
-                                                            "temperature": 0, "method": "ar"})
+                                                            "temperature": 0, "method": "ar", "stream": stream})
         with lock:
             statuses.append(r.status_code)
             if r.status_code == 429:
                 assert r.json()["error"]["type"] == "rate_limit_error"
+            elif stream:
+                assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
 
-    threads = [threading.Thread(target=go) for _ in range(8)]   # batch 4 + 1 waiting: 3+ are refused
+    threads = [threading.Thread(target=go, args=(i % 2 == 0,)) for i in range(8)]   # batch 4 + 1 waiting
     for t in threads:
         t.start()
     for t in threads:
@@ -273,6 +279,63 @@ def test_ingested_documents_are_retrieved_and_durable(service: dict[str, Any]) -
         with pytest.raises(ApiError) as info:
             client.add_documents([{"title": "empty", "text": ""}])
         assert info.value.status == 400
+
+
+def test_changes_by_another_writer_are_served_at_the_next_request(service: dict[str, Any]) -> None:
+    """A CLI-style `add` and then `compact` on the index folder, behind the replica's back: the next request
+    sees the new document, and nothing reads a segment folder the compaction removed."""
+    from rasd.client import Client
+    from rasd.index import Document
+    from rasd.index.writer import add_documents, compact_index
+
+    add_documents(service["index"], [Document(title="Axolotls", text="The axolotl is a salamander from Lake "
+                                              "Xochimilco near Mexico City. Axolotls regrow lost limbs.")])
+    with Client(service["url"], api_key=KEY) as client:
+        answer = client.ask("Which lake do axolotls come from?", top_k_sources=1, max_tokens=16)
+        assert answer.sources[0]["title"] == "Axolotls"
+        compact_index(service["index"])
+        again = client.ask("Which lake do axolotls come from?", top_k_sources=1, max_tokens=16)
+        assert again.sources[0]["title"] == "Axolotls"
+        assert isinstance(client.complete("The axolotl", max_tokens=8, method="rasd").text, str)
+
+
+POTTERY = ("kiln glaze stoneware porcelain slip wheel trimming bisque firing cone reduction celadon shino "
+           "wedging clay throwing handle foot rim kickwheel oxide crawling crazing earthenware raku").split()
+
+
+def test_an_ingest_never_freezes_a_running_stream(service: dict[str, Any]) -> None:
+    """A 200 KB ingest beside a running stream: embedding goes to the compute thread in slices, the rest of
+    the ingest runs beside decoding, so the stream's longest wait during the ingest is a small part of it
+    (on the compute thread, as before, the stream waited for the whole embedding)."""
+    rng = random.Random(0)
+    docs = [{"title": f"pottery notes {i}", "text": " ".join(rng.choice(POTTERY) for _ in range(1800))}
+            for i in range(20)]
+    ingest: dict[str, float] = {}
+
+    def add() -> None:
+        ingest["start"] = time.monotonic()
+        r = service["client"].post("/v1/documents", json={"documents": docs})
+        ingest["end"], ingest["status"] = time.monotonic(), r.status_code
+
+    prompt = ", ".join(str(i) for i in range(1, 40)) + ","      # a count the model goes on with
+    arrivals: list[float] = []
+    worker = threading.Thread(target=add)
+    with service["client"].stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 400,
+                                                                   "temperature": 0, "method": "ar",
+                                                                   "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                arrivals.append(time.monotonic())
+                if len(arrivals) == 3:
+                    worker.start()
+    worker.join(300)
+    assert ingest["status"] == 200
+    during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)
+              if a >= ingest["start"] and b <= ingest["end"]]
+    duration = ingest["end"] - ingest["start"]
+    assert len(during) >= 3, ("the stream must run beside the ingest", len(arrivals), duration)
+    assert max(during) < 0.5 * duration, (max(during), duration)
 
 
 def test_metrics_use_vllm_style_names(service: dict[str, Any]) -> None:
