@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from rasd.decoding import fast_forward
-from rasd.decoding.cache import MIN_CAPACITY, GrowableLayer, TreeCache
+from rasd.decoding.cache import MIN_CAPACITY, GrowableLayer, TreeCache, drop_rows
 from rasd.decoding.engine import GenerationStream
 from rasd.decoding.kernels import fast_kernels
 from rasd.decoding.prefix_cache import PrefixCache
@@ -134,16 +134,11 @@ class BatchCache(TreeCache):
 
     def remove_rows(self, rows: Sequence[int]) -> list[int]:
         """Drop the given rows; returns, for each remaining row position, the old row index now there."""
-        order = list(range(self.rows))
-        for b in sorted(set(rows), reverse=True):
-            last = len(order) - 1
-            if b != last:
-                for layer in self.layers:
-                    layer.move_row(last, b, self.row_lengths[last])
-                order[b] = order[last]
-                self.row_lengths[b] = self.row_lengths[last]
-            order.pop()
-            self.row_lengths.pop()
+        def move(src: int, dst: int, length: int) -> None:
+            for layer in self.layers:
+                layer.move_row(src, dst, length)
+
+        order = drop_rows(self.row_lengths, rows, move)
         for layer in self.layers:
             if not self.row_lengths:        # idle: give the memory back
                 layer.is_initialized = False

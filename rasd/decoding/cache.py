@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -107,6 +107,21 @@ class TreeCache(DynamicCache):
         offsets = torch.as_tensor(list(node_indices), dtype=torch.long)
         for layer in self.layers:
             layer.keep(start, offsets)
+
+
+def drop_rows(row_lengths: list[int], rows: Sequence[int], move: Callable[[int, int, int], None]) -> list[int]:
+    """Remove `rows` from a slotted cache by moving its last row into each freed slot (`move(src, dst,
+    length)` copies the entries); edits `row_lengths` and returns the old row index now at each position."""
+    order = list(range(len(row_lengths)))
+    for b in sorted(set(rows), reverse=True):
+        last = len(order) - 1
+        if b != last:
+            move(last, b, row_lengths[last])
+            order[b] = order[last]
+            row_lengths[b] = row_lengths[last]
+        order.pop()
+        row_lengths.pop()
+    return order
 
 
 def cache_kwargs(model: torch.nn.Module, cache: TreeCache) -> dict[str, TreeCache]:

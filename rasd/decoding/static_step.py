@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rasd.decoding import fast_forward
-from rasd.decoding.cache import TreeCache
+from rasd.decoding.cache import TreeCache, drop_rows
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict, accept
@@ -157,17 +157,10 @@ class StaticRows:
 
     def remove_rows(self, rows: Sequence[int]) -> list[int]:
         """Drop rows (the last row moves into a freed slot); returns the old index now at each position."""
-        order = list(range(self.rows))
-        for b in sorted(set(rows), reverse=True):
-            last = len(order) - 1
-            if b != last:
-                length = self.row_lengths[last]
-                self.kv[:, :, b, :, :length] = self.kv[:, :, last, :, :length]
-                order[b] = order[last]
-                self.row_lengths[b] = length
-            order.pop()
-            self.row_lengths.pop()
-        return order
+        def move(src: int, dst: int, length: int) -> None:
+            self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
+
+        return drop_rows(self.row_lengths, rows, move)
 
     def clear(self) -> None:
         """No rows (graphs stay: they depend on shapes and addresses only)."""
