@@ -47,11 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train(sub: Any) -> None:
-    """`rasd train {eesd,ldlp}`: the learned parts of the self-draft and of AdaEAGLE's length predictor."""
-    from rasd.train import eesd, ldlp
+    """`rasd train {eagle,eesd,ldlp}`: the learned parts of the self-draft and of AdaEAGLE's length predictor."""
+    from rasd.train import eagle, eesd, ldlp
 
-    p = sub.add_parser("train", help="train EESD's exit layer or AdaEAGLE's draft length predictor")
+    p = sub.add_parser("train", help="train the EAGLE head, EESD's exit layer or AdaEAGLE's length predictor")
     what = p.add_subparsers(dest="what", required=True)
+    eagle.add_parser(what)
     eesd.add_parser(what)
     ldlp.add_parser(what)
 
@@ -73,6 +74,8 @@ def _add_generate(sub: Any) -> None:
                         "`rasd train ldlp`")
     p.add_argument("--eesd", default=None, help="EESD exit layer (default $RASD_HOME/eesd/<model>.safetensors)")
     p.add_argument("--ldlp", default=None, help="LDLP for adaeagle / --sizing ldlp (default under $RASD_HOME/ldlp/)")
+    p.add_argument("--eagle", default=None, help="EAGLE head for `eagle` (default: trained under $RASD_HOME/eagle/, "
+                                                 "else the one shipped for the embedded model)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=run_generate)
 
@@ -95,7 +98,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Generate, streaming text to stdout (or one JSON object with --json), statistics on stderr."""
     from rasd.decoding.engine import build_decoder
 
-    check_method(args.method, args.model, args.draft_model, args.sizing, args.eesd, args.ldlp)
+    check_method(args.method, args.model, args.draft_model, args.sizing, args.eesd, args.ldlp, args.eagle)
     text = read_prompt(args)
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1")
@@ -106,7 +109,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt_ids = encode_prompt(target.tokenizer, text, args.chat)
     if len(prompt_ids) + 1 > target.max_context:
         raise CliError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {target.max_context}")
-    options = {k: v for k, v in (("eesd", args.eesd), ("ldlp", args.ldlp)) if v}
+    options = {k: v for k, v in (("eesd", args.eesd), ("ldlp", args.ldlp), ("eagle", args.eagle)) if v}
     try:
         decoder = build_decoder(target, args.method, draft=draft, sizing=args.sizing, **options)
     except ValueError as exc:

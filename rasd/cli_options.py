@@ -56,12 +56,12 @@ def load_target(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def check_method(method: str, model: str, draft_model: str | None = None, sizing: str = "cost",
-                 eesd: str | None = None, ldlp: str | None = None) -> None:
+                 eesd: str | None = None, ldlp: str | None = None, eagle: str | None = None) -> None:
     """Fail before loading any model when the method is unknown or lacks what it needs (its `MethodSpec`)."""
     from rasd.decoding.proposers.registry import method_spec
 
     try:
-        method_spec(method).check(model, draft_model, sizing=sizing, eesd=eesd, ldlp=ldlp)
+        method_spec(method).check(model, draft_model, sizing=sizing, eesd=eesd, ldlp=ldlp, eagle=eagle)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
 

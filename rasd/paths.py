@@ -29,6 +29,11 @@ def eesd_path(model_name: str) -> Path:
     return rasd_home() / "eesd" / f"{slug(model_name)}.safetensors"
 
 
+def eagle_path(model_name: str) -> Path:
+    """An EAGLE head trained here (`rasd train eagle`): `$RASD_HOME/eagle/<model>.safetensors`."""
+    return rasd_home() / "eagle" / f"{slug(model_name)}.safetensors"
+
+
 def ldlp_path(model_name: str, drafter: str) -> Path:
     """Default trained LDLP: `$RASD_HOME/ldlp/<model>--<drafter>.safetensors`."""
     return rasd_home() / "ldlp" / f"{slug(model_name)}--{slug(drafter)}.safetensors"

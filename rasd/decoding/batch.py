@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicCache
 from rasd.decoding import fast_forward
 from rasd.decoding.cache import MIN_CAPACITY, GrowableLayer, TreeCache, drop_rows
 from rasd.decoding.engine import GenerationStream
+from rasd.decoding.features import row_features
 from rasd.decoding.kernels import fast_kernels
 from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.sizing.batch import BatchSizer
@@ -306,6 +307,7 @@ class BatchDecoder:
         ids = torch.tensor([rest], dtype=torch.long, device=self.device)
         pos = torch.arange(job.done, job.done + len(rest), device=self.device)[None]
         logits = fast_forward.forward(self.model, job.cache, ids, pos, last_only=True)
+        job.stream.feed_features(job.done, row_features(self.model))
         return [(job.stream, self._joined(job.stream, job.cache, job.stream.first_token(logits[0, -1])))]
 
     def _step(self) -> list[tuple[GenerationStream, list[int]]]:
@@ -384,7 +386,9 @@ class BatchDecoder:
         cache.keep_rows(past_len, [[0, *v.accepted] for v in verdicts])
         verify_s = (time.perf_counter() - t0) / len(trees)   # each request's share of the shared forward
         alone = verify_s if len(trees) == 1 and job is None else None   # a forward of this row's tree only
-        results = [(stream, stream.commit(tree, verdict, logits[b, : len(tree)], draft_s[b], verify_s, alone))
+        width = max(len(tree) for tree in trees)
+        results = [(stream, stream.commit(tree, verdict, logits[b, : len(tree)], draft_s[b], verify_s, alone,
+                                          hidden=row_features(self.model, b, width, len(tree))))
                    for b, (stream, tree, verdict) in enumerate(zip(self.streams, trees, verdicts, strict=True))]
         if job is not None and first is not None:   # after the rows' compaction: the new row joins at the end
             self.prefilling.popleft()
@@ -400,6 +404,8 @@ class BatchDecoder:
         out = fast_forward.forward_mixed(self.model, self.cache, ids, pos, mask, job.cache, chunk_ids, last).float()
         job.done += len(chunk)
         rows = ids.shape[0] * ids.shape[1]
+        chunk_features = row_features(self.model, 0, rows + len(chunk))
+        job.stream.feed_features(job.done - len(chunk), None if chunk_features is None else chunk_features[rows:])
         first = job.stream.first_token(out[rows]) if last else None
         return out[:rows].view(*ids.shape, -1), first
 

@@ -16,6 +16,7 @@ import torch
 
 from rasd.decoding import fast_forward
 from rasd.decoding.cache import TreeCache, cache_kwargs
+from rasd.decoding.features import row_features, shared_tap
 from rasd.decoding.kernels import fast_kernels, install
 from rasd.decoding.proposers import Proposer, RecyclingMatrix
 from rasd.decoding.proposers.registry import DecoderSetup, make_proposer, method_spec
@@ -99,6 +100,8 @@ class SpeculativeDecoder:
         if fast and isinstance(draft_model, torch.nn.Module):
             install(draft_model)
         self.proposer = proposer
+        if getattr(proposer, "wants_hidden", False):
+            shared_tap(model)   # the target's forwards hand the proposer its features (`decoding.features`)
         self.tokenizer = tokenizer
         self.sizer = sizer or FixedSizer()
         self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 2048))
@@ -208,7 +211,8 @@ class GenerationStream:
         t1 = time.perf_counter()
         verdict, logits = verify_step(tree, self.sampling, self.gen)
         verify_s = time.perf_counter() - t1
-        return self.commit(tree, verdict, logits, t1 - t0, verify_s, alone_s=verify_s)
+        hidden = row_features(self.decoder.model, 0, len(tree), len(tree))
+        return self.commit(tree, verdict, logits, t1 - t0, verify_s, alone_s=verify_s, hidden=hidden)
 
     def begin(self, cache: TreeCache, cached: int = 0) -> list[int]:
         """Prefill into `cache` (one row) and return the first new token as a block.
@@ -221,9 +225,18 @@ class GenerationStream:
         ids = torch.tensor([self.prompt_ids[cached:]], dtype=torch.long, device=dec.device)
         if cached:   # the lean path runs the rest of the prompt as the same causal kernel (`fast_forward._layer`)
             pos = torch.arange(cached, len(self.prompt_ids), device=dec.device)[None]
-            return self.first_token(fast_forward.forward(dec.model, cache, ids, pos, last_only=True)[0, -1])
-        out = dec.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(dec.model, cache))
-        return self.first_token(out.logits[0, -1])
+            logits = fast_forward.forward(dec.model, cache, ids, pos, last_only=True)[0, -1]
+        else:
+            out = dec.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(dec.model, cache))
+            logits = out.logits[0, -1]
+        self.feed_features(cached, row_features(dec.model))
+        return self.first_token(logits)
+
+    def feed_features(self, start: int, hidden: torch.Tensor | None) -> None:
+        """Hand the target's features [n, H] of positions start.. to a proposer that drafts from them (EAGLE)."""
+        proposer = self.decoder.proposer
+        if hidden is not None and getattr(proposer, "wants_hidden", False):
+            proposer.observe_hidden(start, hidden)
 
     def start(self) -> None:
         """The request starts (its clock, its proposer); its prompt is prefilled next, here or by a batch."""
@@ -260,15 +273,18 @@ class GenerationStream:
         return self.decoder.sizer.cut(tree, len(self.context)).top_nodes(self.budget)
 
     def commit(self, tree: DraftTree, verdict: Verdict, logits: torch.Tensor, draft_s: float,
-               verify_s: float, alone_s: float | None) -> list[int]:
+               verify_s: float, alone_s: float | None, hidden: torch.Tensor | None = None) -> list[int]:
         """Apply a verdict: cut at stop conditions, record statistics, let proposer and sizer learn.
 
         `verify_s`: this request's share of the verification forward (statistics). `alone_s`: the time of a
         forward that verified this tree alone, which teaches the sizer what a tree of this size costs; None
-        when the forward was shared with other rows (its time says nothing about one tree).
+        when the forward was shared with other rows (its time says nothing about one tree). `hidden`: the
+        target's features [T, H] of the tree's nodes (`decoding.features`), for proposers that read them.
         """
         dec, stats = self.decoder, self.stats
         t2 = time.perf_counter()
+        if hidden is not None:   # the root and the accepted nodes now have the target's features
+            self.feed_features(len(self.context) - 1, hidden[[0, *verdict.accepted]])
         block, self.reason = self.checker.cut(self.generated, verdict.new_tokens(tree))
         sources = [tree.sources[i] for i in verdict.accepted]
         stats.record_step(tree.sources[1:], sources, tree.num_draft_tokens)

@@ -64,10 +64,9 @@ def forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
     """
     if not (fast_enabled() and input_ids.device.type == "cpu" and supports(model)):
         return _hf_forward(model, cache, input_ids, position_ids, mask, last_only)
-    hidden = _decode(model.model, cache, input_ids, position_ids, mask)
-    if last_only:
-        hidden = hidden[:, -1:]
-    return model.lm_head(model.model.norm(hidden))
+    # normed at every position (cheap) before the cut, so a feature reader (`decoding.features`) sees them all
+    normed = model.model.norm(_decode(model.model, cache, input_ids, position_ids, mask))
+    return model.lm_head(normed[:, -1:] if last_only else normed)
 
 
 def _hf_forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -184,8 +183,8 @@ def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Ten
     hidden = torch.cat([hidden_d.reshape(rows, -1), hidden_c[0]])                         # [B·W + C, H]
     for layer, kv_d, kv_c in zip(inner.layers, cache.layers, chunk_cache.layers, strict=False):
         hidden = _layer_mixed(layer, (kv_d, kv_c), hidden, (batch, width), (rope_d, rope_c), (mask, mask_c))
-    out = torch.cat([hidden[:rows], hidden[-1:]]) if chunk_last else hidden[:rows]
-    return model.lm_head(model.model.norm(out))
+    normed = model.model.norm(hidden)   # every position: the chunk's features too (`decoding.features`)
+    return model.lm_head(torch.cat([normed[:rows], normed[-1:]]) if chunk_last else normed[:rows])
 
 
 def _layer_mixed(layer: torch.nn.Module, kvs: tuple[Any, Any], hidden: torch.Tensor, shape: tuple[int, int],

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from rasd.decoding import fast_forward
 from rasd.decoding.cache import TreeCache, drop_rows
+from rasd.decoding.features import norm_tap
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict, accept
@@ -188,12 +189,13 @@ class StaticRows:
         self._ensure(shape[0], shape[2])
         inputs = self._inputs_for(shape)
         self._fill(inputs, trees, start)
-        if not self.graphs:
-            return self._step(inputs)[: len(trees), :width].float()
-        graph = self._graph(shape, inputs)
+        graph = self._graph(shape, inputs) if self.graphs else None
         if graph is None:
-            return self._step(inputs)[: len(trees), :width].float()
+            return self._step(inputs)[0][: len(trees), :width].float()
         graph[0].replay()
+        tap = norm_tap(self.model)
+        if tap is not None:   # a replay runs no hooks: hand the proposers this step's features ourselves
+            tap.last = graph[2][: len(trees), :width].clone()
         # the output lives in the graphs' shared pool: copied out before another graph can reuse it
         return graph[1][: len(trees), :width].float().clone()
 
@@ -237,7 +239,8 @@ class StaticRows:
             buf.copy_(host, non_blocking=True)
         inputs.start.fill_(start)
 
-    def _graph(self, shape: tuple[int, int, int], inputs: _Inputs) -> tuple[Any, torch.Tensor] | None:
+    def _graph(self, shape: tuple[int, int, int], inputs: _Inputs
+               ) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
         """The captured step for this shape (capturing it now if there is room), or None: run eagerly."""
         graph = self._captured.get(shape)
         if graph is not None or len(self._captured) >= self.max_graphs:
@@ -253,12 +256,13 @@ class StaticRows:
         cuda_graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA work (a service's event loop, a test) must not void the capture
         with torch.cuda.graph(cuda_graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._step(inputs)
-        self._captured[shape] = (cuda_graph, out)
+            logits, normed = self._step(inputs)
+        self._captured[shape] = (cuda_graph, logits, normed)
         return self._captured[shape]
 
-    def _step(self, inputs: _Inputs) -> torch.Tensor:
-        """The static forward: logits [Bb, Tb, vocab] (model dtype); writes K/V at S .. S + Tb of every slot."""
+    def _step(self, inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static forward: logits [Bb, Tb, vocab] (model dtype) and the final-norm features [Bb, Tb, H];
+        writes K/V at S .. S + Tb of every slot."""
         inner = self.model.model
         rows, width = inputs.ids.shape
         hidden = F.embedding(inputs.ids, inner.embed_tokens.weight)                   # [Bb, Tb, H]
@@ -267,7 +271,8 @@ class StaticRows:
         write = inputs.start + torch.arange(width, device=self.device)                # [Tb]
         for layer, store in zip(inner.layers, self.kv, strict=True):
             hidden = _layer(layer, store[:, :rows], hidden, (cos, sin), mask, write, inputs.keys)
-        return self.model.lm_head(inner.norm(hidden))
+        normed = inner.norm(hidden)
+        return self.model.lm_head(normed), normed
 
 
 def _tree_mask(inputs: _Inputs, dtype: torch.dtype) -> torch.Tensor:

@@ -30,12 +30,15 @@ from typing import Any
 
 import torch
 
+from rasd.decoding.eagle import EagleHead
 from rasd.decoding.proposers.draft import DraftModelProposer
+from rasd.decoding.proposers.eagle import EagleProposer
 from rasd.decoding.sampling import GREEDY, SamplingParams
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict
 
 EESD_PREFIX = "eesd:"       # spec "eesd:<target model>": the target's EESD self-draft
+EAGLE_PREFIX = "eagle:"     # spec "eagle:<target model>": the target's EAGLE head (fed the target's features)
 CALL_TIMEOUT_S = 2.0        # a draft later than this is worth less than the step it delays
 BACKOFF_S = 1.0             # after a failure, skip the worker this long (one timeout per back-off, not per step)
 NAMESPACE = "rasd"
@@ -44,19 +47,32 @@ DRAFT_RESOURCE = "rasd_draft"   # custom resource for cluster nodes meant to hos
 MAX_REQUESTS = 256          # per-request states a worker keeps (least recently used evicted; re-created if needed)
 START_TIMEOUT_S = 600.0     # loading a model on a busy node can take minutes
 
+Features = list[tuple[int, torch.Tensor]] | tuple[()]   # (first position, features [n, H]) per target forward
+
 
 def worker_spec(worker_model: str | None, draft_model: str | None, model: str) -> str:
-    """What draft workers load: their own model, else the draft model, else (`eesd` too) the target's self-draft."""
+    """What draft workers load: their own model, else the draft model, else the target's EAGLE head when it has
+    one (shipped or trained), else (`eesd` too) the target's self-draft."""
+    from rasd.decoding.eagle import head_path
     from rasd.decoding.model_loading import is_self_draft
 
     if worker_model:
         return worker_model
-    return draft_model if draft_model and not is_self_draft(draft_model) else f"{EESD_PREFIX}{model}"
+    if draft_model and not is_self_draft(draft_model):
+        return draft_model
+    if not draft_model and head_path(model).exists():   # the target's EAGLE head, shipped or trained here
+        return f"{EAGLE_PREFIX}{model}"
+    return f"{EESD_PREFIX}{model}"
 
 
 def eesd_target(spec: str) -> str | None:
     """The target model named by an `eesd:<target>` spec ("default" when empty); None for other specs."""
     return (spec[len(EESD_PREFIX):] or "default") if spec.startswith(EESD_PREFIX) else None
+
+
+def eagle_target(spec: str) -> str | None:
+    """The target model named by an `eagle:<target>` spec ("default" when empty); None for other specs."""
+    return (spec[len(EAGLE_PREFIX):] or "default") if spec.startswith(EAGLE_PREFIX) else None
 
 
 def load_draft_model(spec: str, device: str = "cpu", dtype: str = "float32", eesd: str | None = None
@@ -65,10 +81,16 @@ def load_draft_model(spec: str, device: str = "cpu", dtype: str = "float32", ees
 
     The self-draft is built from the target's own first layers plus the trained exit layer (`eesd` path, else
     $RASD_HOME/eesd/<target>.safetensors), so the worker loads the target itself: its layers are shared, not
-    copied, and only N + 1 of them ever run here.
+    copied, and only N + 1 of them ever run here. `eagle:<target>` is the target's EAGLE head (an `EagleHead`,
+    not an LM): the worker loads the target for the embedding and LM head the head shares.
     """
     from rasd.decoding.model_loading import load_model
 
+    head_target = eagle_target(spec)
+    if head_target is not None:
+        from rasd.decoding.eagle import load_head
+
+        return load_head(load_model(head_target, device=device, dtype=dtype).model, None, head_target)
     target_name = eesd_target(spec)
     if target_name is not None:
         from rasd.decoding.proposers.early_exit import load_early_exit
@@ -81,6 +103,14 @@ def load_draft_model(spec: str, device: str = "cpu", dtype: str = "float32", ees
 def check_spec(spec: str) -> None:
     """Fail before any actor starts when the spec is the EESD self-draft and its trained weights are missing
     (workers could only fail to load them, one restart after another)."""
+    head_target = eagle_target(spec)
+    if head_target is not None:
+        from rasd.decoding.eagle import head_path
+
+        if not head_path(head_target).exists():
+            raise ValueError(f"draft workers for {spec!r} need an EAGLE head ({head_path(head_target)} is missing): "
+                             f"run `rasd train eagle --model {head_target} --data builtin`")
+        return
     target = eesd_target(spec)
     if target is None:
         return
@@ -118,6 +148,7 @@ class DraftWorker:
         model = spec if isinstance(spec, torch.nn.Module) else load_draft_model(spec, device, dtype, eesd)
         # the verifier's engine installs the same kernels on a local draft: identical draft logits
         self.model = install(model.eval()) if fast else model.eval()
+        self.head = isinstance(self.model, EagleHead)   # its requests need the target's features (`propose`)
         self.fast = fast
         self.draft_options = dict(draft_options or {})
         self.max_requests = max_requests
@@ -125,7 +156,8 @@ class DraftWorker:
         self.recreated = 0      # requests re-created from an unknown id (after a restart or an eviction)
 
     def _new(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> DraftModelProposer:
-        proposer = DraftModelProposer(self.model, **self.draft_options)
+        kind = EagleProposer if self.head else DraftModelProposer
+        proposer = kind(self.model, **self.draft_options)
         proposer.start(prompt_ids, sampling)
         self.requests[request_id] = proposer
         while len(self.requests) > self.max_requests:
@@ -144,22 +176,35 @@ class DraftWorker:
         self._new(request_id, list(prompt_ids), sampling)
 
     def propose(self, request_id: str, context: list[int], max_nodes: int,
-                sampling: SamplingParams | None = None) -> DraftTree:
-        """The request's draft tree; sampled nodes' q come back on the CPU (the caller moves them)."""
+                sampling: SamplingParams | None = None, features: Features = ()) -> DraftTree:
+        """The request's draft tree; sampled nodes' q come back on the CPU (the caller moves them).
+
+        `features`: the target's features of the positions committed since the last call, for a head."""
         from rasd.decoding.kernels import fast_kernels
 
+        proposer = self._fed(request_id, sampling, features)
         with fast_kernels(self.fast):
-            tree = self._proposer(request_id, sampling).propose(context, max_nodes)
+            tree = proposer.propose(context, max_nodes)
         tree.q = {i: q.cpu() for i, q in tree.q.items()}
         return tree
 
-    def root_probs(self, request_id: str, context: list[int],
-                   sampling: SamplingParams | None = None) -> torch.Tensor:
+    def root_probs(self, request_id: str, context: list[int], sampling: SamplingParams | None = None,
+                   features: Features = ()) -> torch.Tensor | None:
         """Draft next-token probabilities [vocab] after `context` (RASD's pruning source), on the CPU."""
         from rasd.decoding.kernels import fast_kernels
 
+        proposer = self._fed(request_id, sampling, features)
         with fast_kernels(self.fast):
-            return self._proposer(request_id, sampling).root_probs(context).cpu()
+            probs = proposer.root_probs(context)
+        return None if probs is None else probs.cpu()
+
+    def _fed(self, request_id: str, sampling: SamplingParams | None, features: Features) -> DraftModelProposer:
+        """The request's proposer, given the target's features that came with the call (heads only)."""
+        proposer = self._proposer(request_id, sampling)
+        for start, hidden in features:
+            if self.head:
+                proposer.observe_hidden(start, hidden.to(proposer.device))
+        return proposer
 
     def finish(self, request_id: str) -> bool:
         """Free the request's draft cache; False when the worker did not hold it."""
@@ -200,6 +245,8 @@ class RemoteDraft:
     """A `DraftModelProposer` look-alike whose draft runs in a `DraftWorker` (see the module docstring).
 
     One per request: it holds the request id. `model` is None so the engine has no local module to touch.
+    With `wants_hidden` (the worker hosts an EAGLE head) the target's features of newly committed positions
+    are kept here and travel with the next call: a few KB per step, never the context's features again.
     """
 
     name = "draft"
@@ -207,7 +254,9 @@ class RemoteDraft:
 
     def __init__(self, actor: Any, request_id: str | None = None, timeout_s: float = CALL_TIMEOUT_S,
                  backoff_s: float = BACKOFF_S, health: DraftHealth | None = None, device: str = "cpu",
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, wants_hidden: bool = False):
+        self.wants_hidden = wants_hidden
+        self.pending: list[tuple[int, torch.Tensor]] = []   # features not yet sent to the worker
         self.actor = actor
         self.request_id = request_id or uuid.uuid4().hex
         self.timeout_s, self.backoff_s = timeout_s, backoff_s
@@ -222,12 +271,21 @@ class RemoteDraft:
         return self.health
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.sampling, self.closed = sampling, False
+        self.sampling, self.closed, self.pending = sampling, False, []
         self._call("start", list(prompt_ids), sampling)
+
+    def observe_hidden(self, start: int, hidden: torch.Tensor) -> None:
+        """Keep the target's features of positions start.. for the next call (`decoding.features`)."""
+        self.pending.append((start, hidden.detach().float().cpu()))
+
+    def _features(self) -> list[tuple[int, torch.Tensor]]:
+        sent, self.pending = self.pending, []
+        return sent
 
     def propose(self, context: list[int], max_nodes: int) -> DraftTree:
         """The worker's tree, or the root alone when the worker is down or late (no draft, same tokens)."""
-        tree = self._call("propose", list(context), max_nodes, self.sampling) if max_nodes > 0 else None
+        tree = (self._call("propose", list(context), max_nodes, self.sampling, self._features())
+                if max_nodes > 0 else None)
         if tree is None:
             return DraftTree.root_only(context[-1])
         if tree.q:
@@ -236,7 +294,7 @@ class RemoteDraft:
 
     def root_probs(self, context: list[int]) -> torch.Tensor | None:
         """Draft probabilities [vocab], or None when the worker is down (RASD then prunes by counts)."""
-        probs = self._call("root_probs", list(context), self.sampling)
+        probs = self._call("root_probs", list(context), self.sampling, self._features())
         return None if probs is None else probs.to(self.device)
 
     def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
@@ -336,6 +394,8 @@ class DraftPool:
                                        threads))
         self.health = [DraftHealth() for _ in self.actors]
         self._next = 0
+        # the workers host an EAGLE head: their clients forward the target's features
+        self.wants_hidden = isinstance(spec, EagleHead) or (isinstance(spec, str) and eagle_target(spec) is not None)
         self.wait_ready(start_timeout_s)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> list[dict[str, Any]]:
@@ -358,7 +418,8 @@ class DraftPool:
         """A client for the next worker in turn (one per request)."""
         i = self._next % len(self.actors)
         self._next += 1
-        return RemoteDraft(self.actors[i], request_id, self.timeout_s, self.backoff_s, self.health[i], self.device)
+        return RemoteDraft(self.actors[i], request_id, self.timeout_s, self.backoff_s, self.health[i], self.device,
+                           wants_hidden=self.wants_hidden)
 
     def stats(self) -> dict[str, Any]:
         """What /v1/info reports: the workers, their names (for `ray.get_actor`) and failure counts."""

@@ -133,6 +133,6 @@ def test_engine_gates_model_drafters_only_with_cost_sizing() -> None:
     from rasd.decoding.proposers.registry import METHODS
 
     gated = {name for name, spec in METHODS.items() if spec.gate_block is not None}
-    assert gated == {"draft", "optree", "eesd", "adaeagle", "rasd"}
+    assert gated == {"draft", "optree", "eagle", "eesd", "adaeagle", "rasd"}
     proposer = make_proposer("rasd", gate=Fixed(DRAFT))
     assert proposer.gate is None                        # nothing to gate without a draft model

@@ -394,3 +394,30 @@ def test_two_node_cluster_routes_workers_by_resource(two_nodes: str, tmp_path: P
     finally:
         sharded.close()
         pool.close()
+
+
+def test_a_head_in_draft_workers_decodes_like_the_local_head(ray_local: None) -> None:
+    """`rasd` drafting with the EAGLE head in a worker (the target's features travel with each call) runs
+    the same steps as with the head in-process, and equals HF greedy."""
+    from rasd.decoding.eagle import EagleHead
+    from rasd.decoding.proposers.eagle import EagleProposer
+    from tests.decoding.test_eagle import trained_head
+
+    target = tiny_llama(0)
+    local_head = trained_head(0)
+    worker_head = EagleHead(fresh_tiny_llama(0))   # a fresh target: the cached one carries a feature hook
+    worker_head.load_state_dict(local_head.state_dict())
+    pool = DraftPool(worker_head.eval(), 1, draft_options={"min_prob": 0.0}, named=False, timeout_s=PATIENT_S)
+    try:
+        assert pool.wants_hidden
+        store = SuffixArray.from_documents([random_prompt(60, 70 + i) for i in range(3)])
+        prompt = random_prompt(30, 8)
+        local = EagleProposer(local_head, min_prob=0.0)
+        ref = decode(target, RasdProposer([store], draft_proposer=local), prompt, 30)
+        got = decode(target, RasdProposer([store], draft_proposer=pool.remote_draft()), prompt, 30)
+        same_run(got, ref)
+        assert_greedy_equal(target, prompt, got.token_ids, hf_greedy(target, prompt, 30), "rasd + remote head")
+        assert ref.stats.accepted_by_source.get("eagle", 0) > 0, "the head's drafts were accepted"
+        assert pool.stats()["failures"] == 0
+    finally:
+        pool.close()

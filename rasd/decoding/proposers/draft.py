@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ class DraftModelProposer:
         if shape not in SHAPES:
             raise ValueError(f"unknown draft shape {shape!r}; choose one of {', '.join(SHAPES)}")
         self.model = model
+        self.source = SOURCE    # the tag of its nodes in statistics (a subclass drafting otherwise has its own)
         self.shape = shape
         if shape == "optree":
             self.name = "optree"
@@ -68,7 +70,7 @@ class DraftModelProposer:
         self.last_layers = 0                   # OPT-Tree layers grown by the last propose (statistics, tests)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.cache = TreeCache.for_model(model)
+        self.cache = self._new_cache()
         self.cached: list[int] = []     # tokens whose keys/values are in self.cache: context[offset:]
         # The draft reads at most the last `window` tokens of a request's prompt (then everything after it).
         # Why: its first forward of a request, or the first after the gate kept it idle, must run over every
@@ -80,8 +82,12 @@ class DraftModelProposer:
         self.gen = torch.Generator().manual_seed(seed)
         self.root_logits: torch.Tensor | None = None   # [vocab] draft logits at the root of self.cached
 
+    def _new_cache(self) -> Any:
+        """An empty cache for the draft's layers (a subclass with another model brings its own)."""
+        return TreeCache.for_model(self.model)
+
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.cache = TreeCache.for_model(self.model)
+        self.cache = self._new_cache()
         self.cached, self.offset = [], 0
         self.root_logits = None
         self.sampling = sampling
@@ -99,7 +105,9 @@ class DraftModelProposer:
         tree = DraftTree.root_only(context[-1])
         if max_nodes <= 0 or not self.gate_open(context):
             return tree
-        logits = self._sync(context)   # [vocab] at the root
+        logits = self._sync(context)   # [vocab] at the root; None: nothing to draft from yet
+        if logits is None:
+            return tree
         if self.shape == "optree":
             cap = self.node_cap(len(context)) if self.node_cap is not None else max_nodes
             tree = self._opt_tree(context, logits, max(1, min(max_nodes, cap)))
@@ -114,8 +122,9 @@ class DraftModelProposer:
         """The cache catches up in the next `propose`."""
 
     @torch.inference_mode()
-    def root_probs(self, context: list[int]) -> torch.Tensor:
-        """Draft next-token probabilities [vocab] after `context` (temperature 1, unwarped).
+    def root_probs(self, context: list[int]) -> torch.Tensor | None:
+        """Draft next-token probabilities [vocab] after `context` (temperature 1, unwarped); None when the
+        drafter has nothing to draft from yet (an EAGLE head before the target's first features).
 
         RASD prunes retrieved branches with them; right after `propose(context)` they come from that
         draft forward for free.
@@ -123,9 +132,9 @@ class DraftModelProposer:
         logits = self.root_logits
         if logits is None or not self._holds(context):
             logits = self._sync(context)   # leaves the cache holding exactly `context`
-        return logits.softmax(-1)
+        return None if logits is None else logits.softmax(-1)
 
-    def _sync(self, context: list[int]) -> torch.Tensor:
+    def _sync(self, context: list[int]) -> torch.Tensor | None:
         """Make the cache hold context[:-1] + root and return the draft logits at the root [vocab]."""
         if self.root_logits is not None and self._holds(context):
             return self.root_logits      # already synced (root_probs ran first): no forward needed
@@ -191,7 +200,7 @@ class DraftModelProposer:
             return self._node_probs(logits)
 
         result = grow_opt_tree(context[-1], expand, max_nodes, self.current_delta(context_len),
-                               self.max_depth, SOURCE)
+                               self.max_depth, self.source)
         self.last_layers = result.layers
         return result.tree
 
@@ -219,7 +228,7 @@ class DraftModelProposer:
                 return
             first = len(tree)
             for score, parent, tok in cands[:room]:
-                tree.add(parent, tok, SOURCE, score)
+                tree.add(parent, tok, self.source, score)
             frontier = list(range(first, len(tree)))
             if depth + 1 < self.max_depth and tree.num_draft_tokens < max_nodes:
                 frontier_logits = self._forward_nodes(tree, first, context_len)
@@ -232,7 +241,7 @@ class DraftModelProposer:
             q = target_probs(logits, self.sampling)                   # [vocab]
             tok = int(torch.multinomial(q, 1, generator=self.gen).item())
             score *= float(q[tok])
-            node = tree.add(node, tok, SOURCE, score)
+            node = tree.add(node, tok, self.source, score)
             tree.q[node] = q
             if step + 1 < length:
                 logits = self._forward_nodes(tree, node, context_len)[0]

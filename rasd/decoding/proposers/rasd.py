@@ -61,7 +61,8 @@ class RasdProposer:
         if recycle_when == "auto" and flat_curve is None:
             raise ValueError("recycle_when='auto' needs flat_curve (the cost curve's verdict; see build_decoder)")
         self.recycle_when, self.flat_curve = recycle_when, flat_curve
-        self.model = draft_model          # the engine installs its fast kernels on `proposer.model`
+        # the engine installs its fast kernels on `proposer.model` (a local draft's module, a head's too)
+        self.model = draft_model if draft_model is not None else getattr(self.draft, "model", None)
         self.prune_config = prune_config or PruneConfig()
         self.probs_fn = probs_fn if probs_fn is not None else self._probability_source(prune_with)
         self._probs_from_draft = probs_fn is None and prune_with in ("auto", "draft") and self.draft is not None
@@ -100,6 +101,15 @@ class RasdProposer:
         if prune_with in ("draft", "recycling") and choices[prune_with] is None:
             raise ValueError(f"prune_with={prune_with!r} needs a {prune_with} source")
         return choices[prune_with]
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether the draft reads the target's features (an EAGLE head): the engine then hands them over."""
+        return bool(getattr(self.draft, "wants_hidden", False))
+
+    def observe_hidden(self, start: int, hidden: torch.Tensor) -> None:
+        """The target's features of positions start.. (`decoding.features`), for the draft."""
+        self.draft.observe_hidden(start, hidden)
 
     def scope(self, doc_tokens: Sequence[Sequence[int]] | None) -> None:
         """This request's retrieved documents (see `RetrievalProposer.scope`)."""

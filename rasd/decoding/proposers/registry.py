@@ -28,6 +28,7 @@ OPTIONAL_DRAFT = "optional"  # uses one when given, runs without
 REQUIRED_DRAFT = "required"  # cannot run without one
 SELF_DRAFT = "self"          # always the target's EESD self-draft (trained exit layer)
 SELF_BY_DEFAULT = "self-by-default"  # the given draft model, else the self-draft
+HEAD = "head"                # the target's trained EAGLE head (shipped for the embedded model)
 
 
 @dataclass
@@ -71,17 +72,20 @@ class MethodSpec:
 
     def uses_self_draft(self, draft_model: str | None) -> bool:
         """Whether this method, given `--draft-model draft_model`, drafts with the target's exit layer."""
-        if self.draft == NO_DRAFT:
+        if self.draft in (NO_DRAFT, HEAD):
             return False
         return (self.draft == SELF_DRAFT or is_self_draft(draft_model)
                 or (self.draft == SELF_BY_DEFAULT and not draft_model))
 
     def ldlp_drafter(self, draft_model: str | None) -> str:
         """The tag an LDLP is trained and stored under for this method's drafter."""
+        if self.draft == HEAD:
+            return "eagle"
         return "eesd" if self.uses_self_draft(draft_model) else "draft-model"
 
     def check(self, model: str, draft_model: str | None = None, has_index: bool | None = None,
-              sizing: str = "cost", eesd: str | None = None, ldlp: str | None = None) -> None:
+              sizing: str = "cost", eesd: str | None = None, ldlp: str | None = None,
+              eagle: str | None = None) -> None:
         """Raise ValueError (a message a person can act on) when the method cannot run as asked; called
         before any model loads. `has_index=None`: the caller has no notion of an index (`rasd generate`)."""
         if self.draft == REQUIRED_DRAFT and not draft_model:
@@ -89,6 +93,13 @@ class MethodSpec:
                              f"tokenizer, or `eesd` for the target's own early-exit draft)")
         if self.uses_index and has_index is False:
             raise ValueError(f"method {self.name!r} drafts from an index; start the service with --index")
+        if self.draft == HEAD:
+            from rasd.decoding.eagle import head_path
+
+            file = Path(eagle) if eagle else head_path(model)
+            if not file.exists():
+                raise ValueError(f"method {self.name!r} needs an EAGLE head for {model} ({file} is missing): run "
+                                 f"`rasd train eagle --model {model} --data builtin` (or pass --eagle PATH)")
         if self.uses_self_draft(draft_model):
             file = Path(eesd) if eesd else eesd_path(model)
             if not file.exists():
@@ -136,6 +147,19 @@ def _build_adaeagle(inputs: ProposerInputs) -> Proposer:
     return make_adaeagle(_self_draft_target("adaeagle", inputs), draft_model=inputs.draft_model, **inputs.options)
 
 
+def _build_eagle(inputs: ProposerInputs) -> Proposer:
+    """The target's EAGLE head (`eagle=` a file, else the trained or shipped one for `model_name`)."""
+    from rasd.decoding.eagle import shared_head
+    from rasd.decoding.proposers.eagle import EagleProposer
+
+    options = dict(inputs.options)
+    head = options.pop("head", None)
+    path, name = options.pop("eagle", None), options.pop("model_name", "default")
+    if head is None:
+        head = shared_head(_self_draft_target("eagle", inputs), path, name)
+    return EagleProposer(head, **options)
+
+
 # ---------------------------------------------------------------------------------------------- configure
 
 
@@ -144,12 +168,30 @@ def _configure_rasd(setup: DecoderSetup) -> None:
     from rasd.decoding.sizing.cost import curve_is_flat
 
     options, curve_for = setup.options, setup.curve_for
+    use_head = options.pop("head", "auto")
+    if setup.draft is None and "draft_proposer" not in options and use_head == "auto":
+        head_options: dict[str, Any] = {"min_prob": None} if setup.sizing == "cost" else {}
+        if setup.sizing == "cost":
+            head_options["target_step_s"] = lambda n: curve_for(n).latency(1)
+        head = _target_head(setup, **head_options)
+        if head is not None:
+            options["draft_proposer"] = head
     if setup.sizing != "cost":
         return
     if "recycle_when" not in options:
         options.update(recycle_when="auto", flat_curve=lambda n: curve_is_flat(curve_for(n)))
     if setup.draft is not None and "draft_options" not in options:
         options["draft_options"] = {"min_prob": None, "target_step_s": lambda n: curve_for(n).latency(1)}
+
+
+def _target_head(setup: DecoderSetup, **options: Any) -> Proposer | None:
+    """The target's EAGLE head as a draft (trained here or shipped), or None when it has none."""
+    from rasd.decoding.eagle import head_path, shared_head
+    from rasd.decoding.proposers.eagle import EagleProposer
+
+    if not head_path(setup.target.name).exists():
+        return None
+    return EagleProposer(shared_head(setup.target.model, None, setup.target.name), **options)
 
 
 def _configure_optree(setup: DecoderSetup) -> None:
@@ -164,6 +206,18 @@ def _configure_optree(setup: DecoderSetup) -> None:
         options.setdefault("node_cap", lambda context_len: flat_nodes(curve_for(context_len)))
     if setup.draft is None:
         setup.draft = load_draft(SELF_DRAFT_SPEC, setup.target, options.pop("eesd", None))
+
+
+def _configure_head(setup: DecoderSetup) -> None:
+    """The head drafts from the target's own features: it needs the target, never a second model. With cost
+    sizing a branch grows while its p̂ beats δ = head forward / target step (as OPT-Tree's δ)."""
+    setup.draft = None
+    setup.options.setdefault("target_model", setup.target.model)
+    setup.options.setdefault("model_name", setup.target.name)
+    if setup.sizing == "cost":
+        curve_for = setup.curve_for
+        setup.options.setdefault("min_prob", None)
+        setup.options.setdefault("target_step_s", lambda n: curve_for(n).latency(1))
 
 
 def _configure_self_draft(setup: DecoderSetup) -> None:
@@ -195,6 +249,8 @@ _SPECS = (
                lambda i: RasdProposer(i.datastores, draft_model=i.draft_model, recycling=i.recycling, **i.options),
                draft=OPTIONAL_DRAFT, uses_index=True, uses_recycling=True, gate_block=4, configure=_configure_rasd,
                remote_draft=True),
+    MethodSpec("eagle", "EAGLE-2: dynamic draft trees from the target's trained feature-level head",
+               _build_eagle, draft=HEAD, gate_block=8, configure=_configure_head),
     MethodSpec("eesd", "EESD: the target's first layers + a trained exit layer, Thompson-sampled length",
                _build_eesd, draft=SELF_DRAFT, gate_block=8, configure=_configure_self_draft),
     MethodSpec("adaeagle", "AdaEAGLE: a trained predictor of the draft length (LDLP) over a drafter",

@@ -25,44 +25,11 @@ import torch
 from torch import nn
 
 from rasd import paths
+from rasd.decoding.features import FinalNormTap, final_norm, shared_tap  # noqa: F401 - re-exported
 from rasd.decoding.tree import DraftTree
 
 LOG_THRESHOLD = -0.6
 FORMAT = "rasd-ldlp-1"
-
-
-def final_norm(model: nn.Module) -> nn.Module:
-    """The final norm module of an HF causal LM (Llama-style `model.model.norm`)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    norm = getattr(decoder, "norm", None)
-    if norm is None:
-        raise ValueError(f"cannot find the final norm of {type(model).__name__} (expected .model.norm)")
-    return norm
-
-
-class FinalNormTap:
-    """Keeps the output [batch, T, hidden] of the last forward through the target's final norm."""
-
-    def __init__(self, model: nn.Module):
-        self.last: torch.Tensor | None = None
-        self.calls = 0
-        self._handle = final_norm(model).register_forward_hook(self._hook)
-
-    def _hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        self.last = output
-        self.calls += 1
-
-    def remove(self) -> None:
-        self._handle.remove()
-
-
-def shared_tap(model: nn.Module) -> FinalNormTap:
-    """One tap per target model (proposer and sizer share it)."""
-    tap = getattr(model, "_rasd_norm_tap", None)
-    if tap is None:
-        tap = FinalNormTap(model)
-        model._rasd_norm_tap = tap
-    return tap
 
 
 class LengthPredictor(nn.Module):

@@ -8,6 +8,7 @@ const SOURCES = {
   datastore: { color: "#a9c9ff", label: "datastore (the whole index)" },
   context: { color: "#ffd59e", label: "context (prompt + answer so far)" },
   draft: { color: "#e4bdf2", label: "draft model" },
+  eagle: { color: "#f2c4d8", label: "EAGLE head (the target's draft head)" },
   recycling: { color: "#a6e4dc", label: "token recycling" },
   bonus: { color: "#e3e6eb", label: "target model (bonus token)" },
   prefill: { color: "#cfd4da", label: "target model (first token, prefill)" },

@@ -1,0 +1,128 @@
+"""`eagle`: EAGLE-2 trees from the target's feature-level draft head (`rasd.decoding.eagle`).
+
+The head's cache follows the committed context like a draft model's (`DraftModelProposer`), with one
+difference: the input at position t is (f_{t-1}, x_t), the target's feature of the previous position and the
+token, so the head can only run over positions whose previous feature the target has computed. The engine
+hands those over after every target forward (`observe_hidden`: the prefill's positions, then the root and
+the accepted nodes of each verified tree); nothing runs the target for the head.
+
+Inside a draft tree a node's input is (f̂ of its parent, its token): the head's own prediction stands in
+for the target's feature that does not exist yet. After verification the tree's entries are dropped and the
+accepted tokens are run again with the target's real features (EAGLE's rollback), in the next `propose`.
+
+Tree shape, sampling chains, OPT-Tree and RASD's pruning by the first-token distribution are the draft-model
+proposer's (EAGLE-2's dynamic tree is its top-k expansion with a global rerank by path probability p̂).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from rasd.decoding.cache import GrowableLayer
+from rasd.decoding.eagle import EagleHead
+from rasd.decoding.proposers.draft import DEFAULT_WINDOW, DraftModelProposer
+from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.sizing.gate import DraftGate
+from rasd.decoding.tree import DraftTree
+
+SOURCE = "eagle"
+
+
+class EagleProposer(DraftModelProposer):
+    """Draft trees from an `EagleHead`; the target's features arrive through `observe_hidden`."""
+
+    name = "eagle"
+    wants_hidden = True   # the engine passes the target's final-norm hidden states of committed positions
+
+    def __init__(self, head: EagleHead, max_depth: int | None = 6, top_k: int = 8, width: int = 8,
+                 min_prob: float | None = 0.02, seed: int = 0, shape: str = "topk", gate: DraftGate | None = None,
+                 window: int | None = DEFAULT_WINDOW, **options: Any):
+        super().__init__(head, max_depth=max_depth, top_k=top_k, width=width, min_prob=min_prob, seed=seed,
+                         shape=shape, gate=gate, window=window, **options)
+        self.head = head
+        self.source = SOURCE
+        if shape != "optree":
+            self.name = "eagle"
+        self._reset_features()
+
+    def _new_cache(self) -> GrowableLayer:
+        return GrowableLayer()   # the head's one layer
+
+    def _reset_features(self) -> None:
+        self.cache = self._new_cache()
+        self.cached, self.offset = [], 0
+        self.root_logits = None
+        self.feats: torch.Tensor | None = None   # [n, H]: the target's features of positions feat_start ..
+        self.feat_start = 0
+        self.node_feats: dict[int, torch.Tensor] = {}   # tree node -> the head's predicted feature [H]
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        super().start(prompt_ids, sampling)
+        self._reset_features()
+
+    def observe_hidden(self, start: int, hidden: torch.Tensor) -> None:
+        """The target's final-norm features [n, H] of positions start .. start + n - 1 (contiguous)."""
+        hidden = hidden.detach().to(self.dtype)
+        if self.feats is None or start > self.feat_start + len(self.feats) or start < self.feat_start:
+            self.feats, self.feat_start = hidden.clone(), start   # a gap (or a restart): begin again here
+            self.cache.crop(-self.cache.get_seq_length())
+            self.cached, self.root_logits = [], None
+            return
+        keep = start - self.feat_start
+        self.feats = torch.cat([self.feats[:keep], hidden])
+
+    def _known_until(self) -> int:
+        """One past the last position whose target feature is known."""
+        return self.feat_start + (0 if self.feats is None else len(self.feats))
+
+    def _sync(self, context: list[int]) -> torch.Tensor | None:
+        """Make the head's cache hold positions offset .. L-1 and return its logits at the root [vocab].
+
+        None when the target's features do not reach the root's parent (nothing to draft from)."""
+        if self.root_logits is not None and self._holds(context):
+            return self.root_logits
+        root = len(context) - 1
+        if self.feats is None or self._known_until() < root or root < 1:
+            return None
+        if not self.cached:
+            floor = max(0, len(context) - self.window) if self.window is not None else 0
+            self.offset = max(floor, self.feat_start + 1)
+        seen = context[self.offset:]
+        common, limit = 0, min(len(self.cached), len(seen) - 1)
+        while common < limit and self.cached[common] == seen[common]:
+            common += 1
+        self.cache.crop(-(self.cache.get_seq_length() - common))
+        first = self.offset + common                                       # first position to run
+        ids = torch.tensor([context[first:]], dtype=torch.long, device=self.device)           # [1, n]
+        feats = self.feats[first - 1 - self.feat_start: root - self.feat_start][None]          # [1, n, H]
+        pos = torch.arange(first, len(context), device=self.device)[None]
+        t0 = time.perf_counter()
+        predicted = self.head(feats, ids, pos, kv=self.cache)                                   # [1, n, H]
+        self.cached = list(seen)
+        self.node_feats = {0: predicted[0, -1]}
+        self.root_logits = self.head.full_logits(predicted[0, -1]).float()
+        if ids.shape[1] <= 4:
+            self._time_forward(t0)
+        return self.root_logits
+
+    def _forward_nodes(self, tree: DraftTree, first: int, context_len: int) -> torch.Tensor:
+        """Head logits [n, vocab] for tree nodes first.. (their parents' predicted features as input)."""
+        nodes = list(range(first, len(tree)))
+        past = self.cache.get_seq_length()                  # context + tree nodes 1..first-1
+        anc = tree.ancestor_mask()[first:, 1:]              # [n, len(tree) - 1]
+        visible = torch.ones(len(nodes), past + len(nodes), dtype=torch.bool)
+        visible[:, context_len - self.offset:] = anc
+        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, torch.finfo(self.dtype).min)
+        depths = tree.depths()
+        ids = torch.tensor([[tree.tokens[i] for i in nodes]], device=self.device)
+        pos = torch.tensor([[context_len - 1 + depths[i] for i in nodes]], device=self.device)
+        feats = torch.stack([self.node_feats[tree.parents[i]] for i in nodes])[None]            # [1, n, H]
+        t0 = time.perf_counter()
+        predicted = self.head(feats, ids, pos, kv=self.cache, mask=mask[None, None].to(self.device))[0]
+        self._time_forward(t0)
+        for i, node in enumerate(nodes):
+            self.node_feats[node] = predicted[i]
+        return self.head.full_logits(predicted).float()

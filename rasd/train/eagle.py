@@ -1,0 +1,397 @@
+"""`rasd train eagle`: train the target's EAGLE head (`rasd.decoding.eagle`) on the target's own features.
+
+Data (EAGLE-1/2's recipe): real chat conversations as they are (`builtin`: ShareGPT from ../shared/data, else
+requests about CPython's language reference), one teacher forward of the target per batch, which gives at
+every position the final-norm feature f_t (stored fp16 on disk, so epochs and experiments never recompute
+it) and, for free, the target's greedy token (its counts choose the draft vocabulary). Never Spec-Bench,
+LongBench or other benchmark data.
+
+Training: the head reads (f_t, x_{t+1}) and predicts f_{t+1}; the loss is EAGLE's feature regression
+(smooth L1) plus the cross-entropy from the target's distribution at t+1 (softmax of its LM head over the
+draft vocabulary, computed from the stored f_{t+1}) to the head's. Inputs get EAGLE's uniform noise, so the
+head tolerates its own imperfect features deeper in a tree.
+
+Held out: the target's greedy continuations of prompts from conversations never trained on. Depth-d
+agreement = the head's top-1 (top-4) after d - 1 steps drafted on its own predicted features with the right
+tokens, equal to the target's greedy token: what an EAGLE tree's level d gets accepted with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from rasd.decoding.eagle import EagleHead, save_head
+from rasd.decoding.features import FinalNormTap
+from rasd.train.common import greedy_continuations, model_fingerprint, write_json
+
+DEPTHS = 4
+
+
+def conversation_ids(tokenizer: Any, rows: list[dict], seq_len: int, min_len: int = 32) -> list[list[int]]:
+    """Each conversation through the chat template (all turns), its first `seq_len` tokens."""
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+    from rasd.text import as_id_list, has_chat_template
+
+    out, chars = [], seq_len * 8    # no turn needs more characters than this to fill seq_len tokens
+    for row in rows:
+        turns = [{"role": roles.get(t.get("from", ""), "user"), "content": str(t.get("value", ""))[:chars]}
+                 for t in row.get("conversations") or [] if str(t.get("value", "")).strip()]
+        if not turns:
+            continue
+        if has_chat_template(tokenizer):
+            ids = as_id_list(tokenizer.apply_chat_template(turns, tokenize=True))
+        else:
+            ids = as_id_list(tokenizer("\n\n".join(t["content"] for t in turns))["input_ids"])
+        if len(ids) >= min_len:
+            out.append(ids[:seq_len])
+    return out
+
+
+def sequences_key(sequences: list[list[int]], salt: str = "") -> str:
+    """A short hash of token sequences (a shard's file name: a longer run reuses a shorter one's shards)."""
+    h = hashlib.sha256(salt.encode())
+    for seq in sequences:
+        h.update(torch.tensor(seq, dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def extract_features(target: torch.nn.Module, sequences: list[list[int]], folder: Path | None, batch: int = 8,
+                     shard: int = 64) -> dict[str, Any]:
+    """Final-norm features (fp16) of every position, the sequences and the target's greedy-token counts.
+
+    Written in shards of `shard` sequences under `folder` (resumable: existing shards are read, not recomputed).
+    Returns {"tokens": [list], "feats": [tensor [n_i, H]], "counts": tensor [vocab]}.
+    """
+    vocab = target.get_output_embeddings().weight.shape[0]
+    out: dict[str, Any] = {"tokens": [], "feats": [], "counts": torch.zeros(vocab, dtype=torch.long)}
+    tap = FinalNormTap(target)
+    try:
+        for s in tqdm(range(0, len(sequences), shard), desc="target features", unit="shard"):
+            part = sequences[s: s + shard]
+            file = folder / f"shard-{sequences_key(part)}.pt" if folder is not None else None
+            data = _read_shard(file, len(part))
+            if data is None:
+                data = _shard_features(target, tap, part, batch, vocab)
+                if file is not None:
+                    file.parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(data, file.with_name(file.name + ".tmp"))
+                    file.with_name(file.name + ".tmp").replace(file)
+            out["tokens"] += part
+            out["feats"] += data["feats"]
+            out["counts"] += data["counts"]
+    finally:
+        tap.remove()
+    return out
+
+
+def _read_shard(file: Path | None, n: int) -> dict[str, Any] | None:
+    if file is None or not file.exists():
+        return None
+    try:
+        data = torch.load(file)
+    except Exception:   # noqa: BLE001 - a shard cut by a crash: compute it again
+        return None
+    return data if isinstance(data, dict) and len(data.get("feats", [])) == n else None
+
+
+def _shard_features(target: torch.nn.Module, tap: FinalNormTap, part: list[list[int]], batch: int,
+                    vocab: int) -> dict[str, Any]:
+    device = next(target.parameters()).device
+    feats, counts = [], torch.zeros(vocab, dtype=torch.long)
+    for b in range(0, len(part), batch):
+        rows = part[b: b + batch]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        logits = target(ids.to(device), attention_mask=mask.to(device)).logits   # right padding: causal rows exact
+        greedy = logits.argmax(-1).cpu()
+        for i, r in enumerate(rows):
+            feats.append(tap.last[i, : len(r)].half().cpu())
+            counts += torch.bincount(greedy[i, : len(r)], minlength=vocab)[:vocab]
+    return {"feats": feats, "counts": counts}
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int, always: set[int] | None = None) -> torch.Tensor | None:
+    """The `size` tokens the target writes most (its greedy tokens), sorted; None = the whole vocabulary."""
+    if size <= 0 or size >= len(counts):
+        return None
+    counts = counts.double().clone()
+    for tok in always or ():
+        if 0 <= tok < len(counts):
+            counts[tok] = float("inf")
+    return counts.topk(size).indices.sort().values
+
+
+def _batch(tokens: list[list[int]], feats: list[torch.Tensor], idx: list[int]
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [B, T], feats [B, T, H] (float32), valid [B, T] for sequences idx, right-padded."""
+    width = max(len(tokens[i]) for i in idx)
+    hidden = feats[idx[0]].shape[-1]
+    ids = torch.zeros(len(idx), width, dtype=torch.long)
+    f = torch.zeros(len(idx), width, hidden)
+    valid = torch.zeros(len(idx), width, dtype=torch.bool)
+    for j, i in enumerate(idx):
+        n = len(tokens[i])
+        ids[j, :n], f[j, :n], valid[j, :n] = torch.tensor(tokens[i]), feats[i].float(), True
+    return ids, f, valid
+
+
+def head_loss(head: EagleHead, ids: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, noise: float = 0.0,
+              w_cls: float = 1.0, gen: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """EAGLE's loss on sequences: input (f_t, x_{t+1}) for t < T-1, targets f_{t+1} and the target's p_{t+1}."""
+    inp = feats[:, :-1]
+    if noise:
+        inp = inp + (torch.rand(inp.shape, generator=gen) * 2 - 1) * noise
+    pos = torch.arange(1, ids.shape[1])[None].expand(ids.shape[0], -1)
+    pred = head(inp, ids[:, 1:], pos)                                    # [B, T-1, H]
+    true = feats[:, 1:]
+    mask = (valid[:, 1:] & valid[:, :-1]).float()                        # [B, T-1]
+    denom = mask.sum().clamp(min=1)
+    reg = (F.smooth_l1_loss(pred, true, reduction="none").mean(-1) * mask).sum() / denom
+    with torch.no_grad():
+        target_logp = head.logits(true).log_softmax(-1)                  # [B, T-1, V']
+    logq = head.logits(pred).log_softmax(-1)
+    ce = (-(target_logp.exp() * logq).sum(-1) * mask).sum() / denom
+    top1 = ((logq.argmax(-1) == target_logp.argmax(-1)).float() * mask).sum() / denom
+    return reg + w_cls * ce, {"reg": reg.item(), "ce": ce.item(), "top1": top1.item()}
+
+
+@torch.no_grad()
+def depth_agreement(head: EagleHead, sequences: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor,
+                    prompt_len: int, depths: int = DEPTHS, batch: int = 16) -> dict[str, list[float]]:
+    """Top-1 / top-4 agreement with the target's greedy tokens at draft depths 1..`depths` (module doc).
+
+    sequences [K, T]: the target's greedy text (prompt + continuation); feats [K, T, H] its features; valid
+    [K, T] (False after EOS). Every root r of the continuation drafts a chain as decoding does: the head's
+    cache holds the true context (f_{t-1}, x_t) for t <= r, a chain node reads its parent's predicted feature
+    and attends to the context up to its root and to its own chain, never to another root's.
+    """
+    hits1, hits4, total = [0] * depths, [0] * depths, [0] * depths
+    for s in range(0, len(sequences), batch):
+        h1, h4, n = _depth_hits(head, sequences[s: s + batch], feats[s: s + batch].float(),
+                                valid[s: s + batch], prompt_len, depths)
+        for d in range(depths):
+            hits1[d], hits4[d], total[d] = hits1[d] + h1[d], hits4[d] + h4[d], total[d] + n[d]
+    return {"top1": [round(h / max(n, 1), 4) for h, n in zip(hits1, total, strict=True)],
+            "top4": [round(h / max(n, 1), 4) for h, n in zip(hits4, total, strict=True)], "positions": total}
+
+
+def _depth_hits(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, prompt_len: int,
+                depths: int) -> tuple[list[int], list[int], list[int]]:
+    from rasd.decoding.cache import GrowableLayer
+
+    k, t = seq.shape
+    kv = GrowableLayer()
+    pred = head(feats[:, :-1], seq[:, 1:], torch.arange(1, t)[None].expand(k, -1), kv=kv)   # pred[:, j] = f̂_{j+1}
+    roots = torch.arange(max(1, prompt_len - 1), t - depths)                                  # [R]
+    cur = pred[:, roots - 1]                                                                  # f̂_r  [K, R, H]
+    key_pos = torch.arange(1, t)                                                              # true keys' positions
+    h1, h4, n = [], [], []
+    for d in range(depths):
+        want = seq[:, roots + d + 1]                                                           # [K, R]
+        ok = valid[:, roots + d + 1] & (roots + d + 1 >= prompt_len)[None]
+        top4 = head.logits(cur).topk(4, dim=-1).indices
+        if head.vocab is not None:
+            top4 = head.vocab[top4]
+        h1.append(int(((top4[..., 0] == want) & ok).sum()))
+        h4.append(int(((top4 == want[..., None]).any(-1) & ok).sum()))
+        n.append(int(ok.sum()))
+        if d + 1 == depths:
+            break
+        # next chain node of every root: input (f̂_{r+d}, x_{r+d+1}) at position r + d + 1
+        visible = [key_pos[None, :] <= roots[:, None]] + [torch.eye(len(roots), dtype=torch.bool)] * (d + 1)
+        mask = torch.zeros(len(roots), t - 1 + len(roots) * (d + 1))
+        mask.masked_fill_(~torch.cat(visible, 1), torch.finfo(mask.dtype).min)
+        pos = (roots + d + 1)[None].expand(k, -1)
+        cur = head(cur, seq[:, roots + d + 1], pos, kv=kv, mask=mask[None, None])
+    return h1, h4, n
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def _lr(step: int, steps: int, lr: float) -> float:
+    """Linear warm-up over 20 steps, then cosine decay to a tenth."""
+    return lr * min(1.0, (step + 1) / 20) * (0.55 + 0.45 * math.cos(math.pi * step / max(steps, 1)))
+
+
+def train_head(head: EagleHead, tokens: list[list[int]], feats: list[torch.Tensor], steps: int, batch: int = 8,
+               lr: float = 1e-3, noise: float = 0.05, w_cls: float = 1.0, seed: int = 0,
+               checkpoint: Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """Optimise fc + layer on the stored features; resumable from `checkpoint` (same settings)."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.Generator().manual_seed(seed + 1)
+    start, history = 0, []
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        order.set_state(state["order"])
+        start, history = state["step"], state["history"]
+    head.train()
+    bar = tqdm(range(start, steps), desc="training EAGLE head", unit="step", initial=start, total=steps,
+               disable=not progress)
+    for step in bar:
+        idx = torch.randint(len(tokens), (min(batch, len(tokens)),), generator=order).tolist()
+        ids, f, valid = _batch(tokens, feats, idx)
+        loss, parts = head_loss(head, ids, f, valid, noise, w_cls, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, lr)
+        opt.step()
+        history.append(parts)
+        recent = history[-50:]
+        bar.set_postfix(ce=f"{sum(h['ce'] for h in recent) / len(recent):.3f}",
+                        top1=f"{sum(h['top1'] for h in recent) / len(recent):.3f}")
+        if checkpoint is not None and ((step + 1) % 200 == 0 or step + 1 == steps):
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            tmp = checkpoint.with_name(checkpoint.name + ".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                        "order": order.get_state(), "step": step + 1, "history": history}, tmp)
+            tmp.replace(checkpoint)
+    head.eval()
+    recent = history[-50:] or [{"ce": float("nan"), "top1": float("nan"), "reg": float("nan")}]
+    return {key: round(sum(h[key] for h in recent) / len(recent), 4) for key in ("ce", "reg", "top1")}
+
+
+def held_out_set(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: int, eos: set[int],
+                 cache: Path | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's greedy continuations of `prompts` [K, P] (cached), their features and validity."""
+    seqs = greedy_continuations(target, prompts, gen_tokens, 32, sorted(eos), cache, desc="held-out text")
+    data = extract_features(target, [s.tolist() for s in seqs], None, batch=16, shard=len(seqs))
+    feats = torch.stack(data["feats"])
+    valid = torch.ones_like(seqs, dtype=torch.bool)
+    p = prompts.shape[1]
+    if eos:
+        is_eos = torch.isin(seqs[:, p:], torch.tensor(sorted(eos)))
+        valid[:, p:] = ~((is_eos.long().cumsum(1) - is_eos.long()) > 0)
+    return seqs, feats, valid
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("eagle", help="train the target's EAGLE draft head on its own features")
+    p.add_argument("--model", default="default", help="target: HF hub id, local path or `default`")
+    p.add_argument("--data", default="builtin",
+                   help="JSONL(.gz) of conversations (ShareGPT `conversations`) or `builtin` (ShareGPT from "
+                        "../shared/data when present, else the CPython language reference, offline)")
+    p.add_argument("--out", type=Path, default=None, help="default: $RASD_HOME/eagle/<model>.safetensors")
+    p.add_argument("--seqs", type=int, default=2000, help="training conversations")
+    p.add_argument("--seq-len", type=int, default=384, help="tokens per conversation (its first ones)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--noise", type=float, default=0.05, help="uniform noise on input features (EAGLE)")
+    p.add_argument("--cls-weight", type=float, default=1.0, help="weight of the cross-entropy beside the L1")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="restrict the head's output to the target's N most written tokens (0 = all)")
+    p.add_argument("--eval-seqs", type=int, default=128, help="held-out prompts (conversations never trained on)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def _rows(data: str) -> list[dict]:
+    """Conversations: a ShareGPT-style JSONL(.gz) (`builtin`: the shared ShareGPT, else offline prompts)."""
+    from rasd.train.common import BUILTIN, SHAREGPT, _json_lines, load_prompts, shared_data
+
+    path = shared_data() / SHAREGPT if data == BUILTIN else Path(data)
+    if data == BUILTIN and not path.exists():
+        return [{"conversations": [{"from": "human", "value": text}]} for text in load_prompts(BUILTIN)]
+    if not path.exists():
+        raise ValueError(f"data file {path} does not exist (or pass --data builtin)")
+    rows = []
+    for row in _json_lines(path):
+        text = str(row.get("text") or row.get("prompt") or "")
+        rows.append(row if row.get("conversations") else {"conversations": [{"from": "human", "value": text}]})
+    return [r for r in rows if r.get("conversations")]
+
+
+def run(args: argparse.Namespace) -> int:
+    from rasd.decoding.model_loading import ModelLoadError, load_model
+    from rasd.errors import CliError
+    from rasd.paths import eagle_path, rasd_home, slug
+    from rasd.train.common import generation_cache
+
+    try:
+        rows = _rows(args.data)
+        if len(rows) < 2:
+            raise ValueError(f"{args.data}: need at least 2 conversations (one is held out)")
+        n_eval = min(args.eval_seqs, max(1, len(rows) // 10))
+        train_rows, eval_rows = rows[: len(rows) - n_eval][: args.seqs], rows[len(rows) - n_eval:]
+        target = load_model(args.model, device=args.device, dtype="float32")
+        report, head = train_eagle(target, train_rows, eval_rows, args,
+                                   rasd_home() / "eagle-features" / slug(args.model), generation_cache(args.model))
+    except (ValueError, ModelLoadError) as exc:
+        raise CliError(str(exc)) from exc
+    out = args.out or eagle_path(args.model)
+    save_head(out, head, report)
+    write_json(out.with_suffix(".json"), report)
+    print(f"rasd train eagle: wrote {out} ({out.stat().st_size / 1e6:.1f} MB); held-out top-1 agreement with the "
+          f"target by depth {report['agreement']['top1']} (top-4 {report['agreement']['top4']}), draft vocabulary "
+          f"{report['draft_vocab']}, {report['train_tokens']} training tokens, {report['train_s']:.0f} s training",
+          file=sys.stderr)
+    return 0
+
+
+def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args: argparse.Namespace,
+                features_dir: Path, selfgen: Path) -> tuple[dict[str, Any], EagleHead]:
+    """Features (cached), draft vocabulary, training, held-out agreement; returns (report, head)."""
+    from rasd.train.common import _prompt_of, prompt_windows
+
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
+    if not seqs:
+        raise ValueError("no training conversation has 32 tokens")
+    folder = features_dir / model_fingerprint(target.model)
+    data = extract_features(target.model, seqs, folder)
+    features_s = time.perf_counter() - t0
+    eos = set(target.eos_token_ids or ())
+    vocab = draft_vocabulary(data["counts"], args.draft_vocab, eos)
+    prompts = [p for p in (_prompt_of(r) for r in eval_rows) if p]
+    windows = prompt_windows(target.tokenizer, prompts, 32)
+    eval_seqs, eval_feats, eval_valid = held_out_set(target.model, windows, 48, eos, selfgen)
+    head = EagleHead(target.model, vocab)
+    before = depth_agreement(head.eval(), eval_seqs, eval_feats, eval_valid, windows.shape[1])
+    tokens = sum(len(s) for s in seqs)
+    steps = args.steps if args.steps is not None else max(1, math.ceil(args.epochs * len(seqs) / args.batch))
+    t1 = time.perf_counter()
+    settings = [len(seqs), args.seq_len, steps, args.batch, args.lr, args.noise, args.cls_weight, args.seed,
+                args.draft_vocab]
+    checkpoint = folder / f"checkpoint-{sequences_key(seqs, str(settings))}.pt"   # resumed only with the same settings
+    final = train_head(head, data["tokens"], data["feats"], steps, args.batch, args.lr, args.noise,
+                       args.cls_weight, args.seed, checkpoint=checkpoint)
+    train_s = time.perf_counter() - t1
+    after = depth_agreement(head, eval_seqs, eval_feats, eval_valid, windows.shape[1])
+    covered = float(torch.isin(eval_seqs[:, windows.shape[1]:], vocab).float().mean()) if vocab is not None else 1.0
+    report = {"model": args.model, "data": args.data, "sequences": len(seqs), "seq_len": args.seq_len,
+              "train_tokens": tokens, "steps": steps, "batch": args.batch, "lr": args.lr, "noise": args.noise,
+              "cls_weight": args.cls_weight, "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
+              "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,
+              "final_train": final, "features_s": round(features_s, 1), "train_s": round(train_s, 1),
+              "seed": args.seed, "torch_threads": torch.get_num_threads()}
+    return report, head
+
+
+def _out_rows(head: EagleHead) -> int:
+    """The head's output size (draft vocabulary rows)."""
+    return head.config.vocab_size if head.vocab is None else len(head.vocab)

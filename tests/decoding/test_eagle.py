@@ -1,0 +1,247 @@
+"""The EAGLE head: greedy equality with HF on every path, exact sampling, rollback, files, training.
+
+Tiny random Llamas with untrained heads (drafts mostly rejected) and with heads trained here for a few
+seconds on the tiny target's own greedy text (drafts often accepted): both must give HF `generate`'s tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rasd.cli import main
+from rasd.decoding.batch import BatchDecoder
+from rasd.decoding.eagle import EagleHead, load_head, read_meta, save_head
+from rasd.decoding.engine import SpeculativeDecoder
+from rasd.decoding.proposers import make_proposer
+from rasd.decoding.proposers.registry import method_spec
+from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.sizing.sizers import FixedSizer
+from rasd.decoding.static_step import StepConfig
+from rasd.index.suffix_array import SuffixArray
+from rasd.train.common import greedy_continuations
+from rasd.train.eagle import depth_agreement, draft_vocabulary, extract_features, train_head
+from tests.decoding.test_eesd import WORDS, tiny_model_dir  # noqa: F401 - a fixture
+from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STATIC = StepConfig(static=True)
+
+
+def own_text(model: torch.nn.Module, n: int, seed: int = 0, vocab: int = 96) -> torch.Tensor:
+    """[n, 48] the model's greedy continuations of random 8-token prompts."""
+    prompts = torch.tensor([random_prompt(8, seed + s, vocab) for s in range(n)])
+    return greedy_continuations(model, prompts, 40, 32, [], None)
+
+
+@cache
+def trained_head(seed: int, vocab_size: int = 96, init: float = 0.02) -> EagleHead:
+    """A head trained for a few seconds on the tiny target's own text (shared by the tests; never mutated)."""
+    target = tiny_llama(seed, vocab=vocab_size, init=init)
+    seqs = own_text(target, 64, vocab=vocab_size)
+    data = extract_features(target, [s.tolist() for s in seqs], None, batch=16, shard=64)
+    torch.manual_seed(seed)
+    head = EagleHead(target)
+    train_head(head, data["tokens"], data["feats"], 250, batch=8, lr=3e-3, progress=False)
+    return head
+
+
+def random_head(target: torch.nn.Module, seed: int) -> EagleHead:
+    torch.manual_seed(seed)
+    return EagleHead(target).eval()
+
+
+def eagle_decoder(target: torch.nn.Module, head: EagleHead, step: StepConfig | None = None,
+                  **options: Any) -> SpeculativeDecoder:
+    options = {"min_prob": 0.0, **options}
+    return SpeculativeDecoder(target, make_proposer("eagle", head=head, **options), sizer=FixedSizer(16), step=step)
+
+
+@pytest.mark.parametrize("trained", [False, True])
+@pytest.mark.parametrize("step", [None, STATIC], ids=["dynamic", "static"])
+def test_eagle_greedy_equals_hf(trained: bool, step: StepConfig | None) -> None:
+    target = tiny_llama(0)
+    head = trained_head(0) if trained else random_head(target, 1)
+    decoder = eagle_decoder(target, head, step)
+    accepted = []
+    for length in (1, 7, 40):
+        prompt = random_prompt(length, length)
+        out = decoder.generate(prompt, max_new_tokens=29)
+        assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 29), f"eagle {length}")
+        accepted.append(out.stats.mean_accepted_tokens)
+    if trained:
+        assert max(accepted) > 1.5, f"a trained head's drafts get accepted ({accepted})"
+
+
+def test_trained_head_agrees_with_the_target_on_text_it_never_saw() -> None:
+    target = tiny_llama(0)
+    held_out = own_text(target, 16, seed=500)
+    feats = torch.stack(extract_features(target, [s.tolist() for s in held_out], None, batch=16, shard=16)["feats"])
+    valid = torch.ones_like(held_out, dtype=torch.bool)
+    before = depth_agreement(random_head(target, 1), held_out, feats, valid, 8)
+    after = depth_agreement(trained_head(0), held_out, feats, valid, 8)
+    assert len(after["top1"]) == 4 and after["positions"][0] > 0
+    assert after["top1"][0] > before["top1"][0] + 0.2, (before, after)
+    assert all(a >= b for a, b in zip(after["top4"], after["top1"], strict=True))
+
+
+def test_head_cache_rolls_back_to_the_accepted_path() -> None:
+    """After steps with partial acceptance, the head's state equals a fresh head fed the whole context."""
+    target = tiny_llama(0)
+    head = trained_head(0)
+    decoder = eagle_decoder(target, head)
+    prompt = random_prompt(20, 3)
+    stream = decoder.stream(prompt, 24)
+    partial = 0
+    for _ in stream:
+        proposer = decoder.proposer
+        context = stream.context
+        if stream.reason is not None or len(context) - len(prompt) < 3:
+            continue
+        tree = proposer.propose(context, 16)
+        if tree.num_draft_tokens == 0:
+            continue
+        fresh = make_proposer("eagle", head=head, min_prob=0.0)
+        fresh.start(prompt, SamplingParams())
+        fresh.observe_hidden(proposer.feat_start, proposer.feats)
+        fresh.offset = proposer.offset
+        ours, theirs = proposer.root_probs(context), fresh.root_probs(context)
+        assert proposer.cache.get_seq_length() == len(proposer.cached) == len(context) - proposer.offset
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+        partial += 1
+    assert partial > 3
+    assert stream.stats.num_accepted_tokens < stream.stats.num_draft_tokens, "some drafts were rejected"
+
+
+def test_eagle_in_a_batch_with_rows_joining_and_chunked_prefill() -> None:
+    target = tiny_llama(0)
+    head = trained_head(0)
+    batch = BatchDecoder(target, chunk_tokens=8, slots=4)
+    prompts = [random_prompt(n, 40 + n) for n in (5, 30, 17, 44)]
+    streams = [eagle_decoder(target, head).stream(p, 20) for p in prompts]
+    outs: dict[int, list[int]] = {i: [] for i in range(len(streams))}
+    first = batch.add(streams[0])
+    outs[0] += first or []
+    pending = list(range(1, len(streams)))
+    for _ in range(400):
+        if pending and len(batch) < 3:
+            i = pending.pop(0)
+            outs[i] += batch.add(streams[i]) or []
+        for stream, block in batch.step():
+            outs[streams.index(stream)] += block
+        if not pending and len(batch) == 0:
+            break
+    for i, prompt in enumerate(prompts):
+        assert_greedy_equal(target, prompt, outs[i], hf_greedy(target, prompt, 20), f"batched eagle {i}")
+    assert sum(s.stats.num_accepted_tokens for s in streams) > 0
+
+
+def test_rasd_with_the_head_as_its_draft_equals_hf() -> None:
+    target = tiny_llama(0)
+    head = trained_head(0)
+    store = SuffixArray.from_documents([random_prompt(60, 50 + i) for i in range(4)])
+    draft = make_proposer("eagle", head=head, min_prob=0.0)
+    proposer = make_proposer("rasd", datastores=[store], draft_proposer=draft)
+    decoder = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16))
+    for length in (7, 40):
+        prompt = random_prompt(length, length + 1)
+        out = decoder.generate(prompt, max_new_tokens=29)
+        assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 29), "rasd+eagle")
+    assert decoder.proposer.draft.feats is not None, "the engine fed the head inside rasd"
+
+
+def test_optree_over_the_head_equals_hf() -> None:
+    target = tiny_llama(0)
+    proposer = make_proposer("eagle", head=trained_head(0), shape="optree", delta=0.0, max_depth=4)
+    decoder = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16))
+    prompt = random_prompt(12, 9)
+    out = decoder.generate(prompt, max_new_tokens=29)
+    assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 29), "optree+eagle")
+
+
+def test_eagle_sampling_is_exact() -> None:
+    from tests.decoding.test_sampling_exact import PROMPT, SVOCAB, TARGET, WARPED, check_against_exact, exact_joint
+
+    target = tiny_llama(**TARGET)
+    head = random_head(target, 2)
+    decoder = eagle_decoder(target, head, max_depth=2)
+    joint = exact_joint(target, PROMPT, WARPED)
+    counts = torch.zeros((SVOCAB,) * 3, dtype=torch.float64)
+    accepted = 0
+    for i in range(800):
+        out = decoder.generate(PROMPT, 3, sampling=replace(WARPED, seed=2 * i))
+        a, b, c = out.token_ids
+        counts[a, b, c] += 1
+        accepted += out.stats.num_accepted_tokens
+    assert 50 < accepted < 1500, f"acceptances {accepted}: both outcomes must be exercised"
+    check_against_exact(counts.numpy(), joint, "eagle warped")
+
+
+def test_head_file_round_trip_and_refusals(tmp_path: Path) -> None:
+    target = tiny_llama(0)
+    head = trained_head(0)
+    vocab = draft_vocabulary(torch.arange(96), 40, always={3})
+    assert vocab is not None and 3 in vocab.tolist() and len(vocab) == 40
+    head_v = EagleHead(target, vocab)
+    head_v.load_state_dict(head.state_dict())
+    path = tmp_path / "head.safetensors"
+    save_head(path, head_v, {"agreement": {"top1": [0.5]}})
+    assert read_meta(path)["report"]["agreement"]["top1"] == [0.5]
+    loaded = load_head(target, path)
+    assert loaded.vocab is not None and loaded.vocab.tolist() == vocab.tolist()
+    prompt = random_prompt(9, 4)
+    out = eagle_decoder(target, loaded).generate(prompt, 20)
+    assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 20), "restricted vocabulary")
+    other = tiny_llama(1, vocab=64)
+    with pytest.raises(ValueError, match="trained for another model .*vocab_size"):
+        load_head(other, path)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a head")
+    with pytest.raises(ValueError, match="not a readable EAGLE head"):
+        load_head(target, tmp_path / "junk.safetensors")
+    with pytest.raises(ValueError, match="rasd train eagle"):
+        method_spec("eagle").check("some/model-without-a-head")
+
+
+def conversations_file(tmp_path: Path, n: int = 24) -> Path:
+    """ShareGPT-style rows: a user turn and an assistant turn of random words."""
+    gen = torch.Generator().manual_seed(0)
+
+    def words(k: int) -> str:
+        return " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (k,), generator=gen))
+
+    rows = [{"conversations": [{"from": "human", "value": words(40)}, {"from": "gpt", "value": words(30)}]}
+            for _ in range(n)]
+    path = tmp_path / "conversations.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_train_eagle_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,  # noqa: F811
+                                    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RASD_HOME", str(tmp_path / "home"))
+    out = tmp_path / "head.safetensors"
+    args = ["train", "eagle", "--model", str(tiny_model_dir), "--data", str(conversations_file(tmp_path)),
+            "--out", str(out), "--steps", "30", "--seqs", "16", "--seq-len", "64", "--batch", "4",
+            "--draft-vocab", "40", "--eval-seqs", "4"]
+    assert main(args) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["sequences"] == 16 and report["draft_vocab"] == 40 and report["steps"] == 30
+    assert len(report["agreement"]["top1"]) == 4 and report["agreement"]["positions"][0] > 0
+    assert "held-out top-1 agreement" in capsys.readouterr().err
+    shards = list((tmp_path / "home" / "eagle-features").rglob("shard-*.pt"))
+    assert shards and list((tmp_path / "home" / "eagle-features").rglob("checkpoint-*.pt"))
+    first = load_file(str(out))
+    assert main(args) == 0, "a second run reads the stored features and the finished checkpoint"
+    again = load_file(str(out))
+    assert all(torch.equal(first[k], again[k]) for k in first), "deterministic: the same head again"
+    assert main(["generate", "--model", str(tiny_model_dir), "--method", "eagle", "--eagle", str(out), "--prompt",
+                 "the quick brown fox", "--max-new-tokens", "8", "--sizing", "fixed", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
