@@ -51,18 +51,13 @@ Features = list[tuple[int, torch.Tensor]] | tuple[()]   # (first position, featu
 
 
 def worker_spec(worker_model: str | None, draft_model: str | None, model: str) -> str:
-    """What draft workers load: their own model, else the draft model, else the target's EAGLE head when it has
-    one (shipped or trained), else (`eesd` too) the target's self-draft."""
-    from rasd.decoding.eagle import head_path
+    """What draft workers load: their own model (`eagle:<target>` for the target's EAGLE head), else the draft
+    model, else (`eesd` too) the target's self-draft."""
     from rasd.decoding.model_loading import is_self_draft
 
     if worker_model:
         return worker_model
-    if draft_model and not is_self_draft(draft_model):
-        return draft_model
-    if not draft_model and head_path(model).exists():   # the target's EAGLE head, shipped or trained here
-        return f"{EAGLE_PREFIX}{model}"
-    return f"{EESD_PREFIX}{model}"
+    return draft_model if draft_model and not is_self_draft(draft_model) else f"{EESD_PREFIX}{model}"
 
 
 def eesd_target(spec: str) -> str | None:

@@ -163,12 +163,18 @@ def _build_eagle(inputs: ProposerInputs) -> Proposer:
 # ---------------------------------------------------------------------------------------------- configure
 
 
+# Whether `rasd` without --draft-model drafts with the target's EAGLE head when one exists ("auto") or not
+# ("off", pass head="auto" to opt in). Off: with the first trained head (held-out top-1 0.34) `rasd` ran 1.09x
+# HF on Spec-Bench --limit 1 against pld's 1.43x in the same run (docs/lab-notes/eagle.md).
+RASD_HEAD_DEFAULT = "off"
+
+
 def _configure_rasd(setup: DecoderSetup) -> None:
     """Recycle when the curve is flat; with a draft model, its chain stops where p̂ < δ (cost sizing)."""
     from rasd.decoding.sizing.cost import curve_is_flat
 
     options, curve_for = setup.options, setup.curve_for
-    use_head = options.pop("head", "auto")
+    use_head = options.pop("head", RASD_HEAD_DEFAULT)
     if setup.draft is None and "draft_proposer" not in options and use_head == "auto":
         head_options: dict[str, Any] = {"min_prob": None} if setup.sizing == "cost" else {}
         if setup.sizing == "cost":
