@@ -100,7 +100,7 @@ class StaticRows:
         self.kv_heads = int(layer.k_proj.out_features) // self.head_dim
         self.row_lengths: list[int] = []
         self.in_use = False
-        self._captured: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = {}
+        self._captured: dict[tuple[int, int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}   # graph, logits, feats
         self._inputs: dict[tuple[int, int, int], _Inputs] = {}
         self._pool: Any = None
         self.kv = self._new_store(bucket(slots), max(capacity, MIN_KEYS))
