@@ -63,7 +63,7 @@ def top2_gap(model: torch.nn.Module, ids: list[int]) -> float:
 
 
 TINY_METHODS = ("ar", "pld", "draft", "optree", "recycling", "retrieval", "rasd", "rasd-draft", "eesd",
-                "adaeagle")
+                "adaeagle", "eagle", "rasd-eagle")
 
 
 def tiny_proposer(method: str, target: torch.nn.Module, draft: torch.nn.Module, docs: list[list[int]],
@@ -81,6 +81,13 @@ def tiny_proposer(method: str, target: torch.nn.Module, draft: torch.nn.Module, 
         save_exit_layer(exit_path, new_exit_layer(target, 1), 1)
         LengthPredictor(target.config.hidden_size, width=16, k_max=6).save(ldlp_path)
         return make_proposer(method, target_model=target, eesd=exit_path, ldlp=ldlp_path)
+    if method in ("eagle", "rasd-eagle"):   # an untrained head: the features' path, captured or not, is what counts
+        from rasd.decoding.eagle import EagleHead
+
+        head = make_proposer("eagle", head=EagleHead(target).eval(), min_prob=0.0)
+        if method == "eagle":
+            return head
+        return make_proposer("rasd", datastores=[SuffixArray.from_documents(docs)], draft_proposer=head)
     stores = [SuffixArray.from_documents(docs)] if method in ("retrieval", "rasd", "rasd-draft") else None
     recycling = RecyclingMatrix(vocab) if method in ("recycling", "rasd", "rasd-draft") else None
     name = "rasd" if method == "rasd-draft" else method

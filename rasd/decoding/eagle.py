@@ -86,7 +86,8 @@ class EagleHead(nn.Module):
         self.layer = copy.deepcopy(layers[init_layer])
         self.layer.self_attn.layer_idx = 0
         self._pass_through()
-        self.to(next(target.parameters()).dtype)
+        param = next(target.parameters())
+        self.to(device=param.device, dtype=param.dtype)
         # shared with the target, kept out of this module's parameters and state_dict (not copied, not saved)
         self._shared = (target.get_decoder(), target.get_output_embeddings())
         self.set_vocab(vocab)

@@ -245,3 +245,18 @@ def test_train_eagle_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,  # noq
     assert main(["generate", "--model", str(tiny_model_dir), "--method", "eagle", "--eagle", str(out), "--prompt",
                  "the quick brown fox", "--max-new-tokens", "8", "--sizing", "fixed", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 5])
+def test_a_tree_that_fills_its_budget_stops_cleanly(budget: int) -> None:
+    """Regression: when a layer filled the budget, the next layer read the previous frontier's logits
+    (IndexError whenever the new frontier was wider); found by `rasd` drafting with the head."""
+    target = tiny_llama(0)
+    for proposer in (make_proposer("eagle", head=trained_head(0), top_k=2, width=4, min_prob=0.0),
+                     make_proposer("draft", draft_model=tiny_llama(0, init=0.03), top_k=2, width=4, min_prob=0.0)):
+        prompt = random_prompt(12, 5)
+        proposer.start(prompt, SamplingParams())
+        if getattr(proposer, "wants_hidden", False):
+            SpeculativeDecoder(target, proposer).stream(prompt, 2).__next__()   # the prefill feeds the head
+        tree = proposer.propose(prompt, budget)
+        assert 1 <= tree.num_draft_tokens <= budget

@@ -230,8 +230,9 @@ class DraftModelProposer:
             for score, parent, tok in cands[:room]:
                 tree.add(parent, tok, self.source, score)
             frontier = list(range(first, len(tree)))
-            if depth + 1 < self.max_depth and tree.num_draft_tokens < max_nodes:
-                frontier_logits = self._forward_nodes(tree, first, context_len)
+            if depth + 1 >= self.max_depth or tree.num_draft_tokens >= max_nodes or not frontier:
+                return   # (the old frontier's logits must never meet the new frontier)
+            frontier_logits = self._forward_nodes(tree, first, context_len)
 
     def _sample_chain(self, tree: DraftTree, root_logits: torch.Tensor, context_len: int, max_nodes: int) -> None:
         """Sampling: a chain drawn from q, with q kept on every node for exact verification."""
