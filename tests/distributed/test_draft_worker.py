@@ -204,7 +204,9 @@ def test_remote_draft_backs_off_after_a_failure() -> None:
 def test_rasd_takes_a_built_draft_but_not_both() -> None:
     draft = DraftModelProposer(tiny_llama(0))
     proposer = RasdProposer(draft_proposer=draft)
-    assert proposer.draft is draft and proposer.probs_fn == draft.root_probs and proposer.model is None
+    # a local built draft's module is the engine's to install kernels on; a remote one has none (model None)
+    assert proposer.draft is draft and proposer.probs_fn == draft.root_probs and proposer.model is draft.model
+    assert RasdProposer(draft_proposer=RemoteDraft(object(), "r")).model is None
     with pytest.raises(ValueError, match="not both"):
         RasdProposer(draft_model=tiny_llama(0), draft_proposer=draft)
 
