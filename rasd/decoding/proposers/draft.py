@@ -168,8 +168,10 @@ class DraftModelProposer:
         elapsed = time.perf_counter() - t0
         self.forward_s = elapsed if self.forward_s is None else 0.8 * self.forward_s + 0.2 * elapsed
 
-    def _forward_nodes(self, tree: DraftTree, first: int, context_len: int) -> torch.Tensor:
-        """Draft logits [n, vocab] for tree nodes first.. (earlier non-root nodes are already cached)."""
+    def _node_inputs(self, tree: DraftTree, first: int, context_len: int
+                     ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tree nodes first.., their ids [1, n], positions [1, n] and additive mask [1, 1, n, past + n]: each
+        node sees the cached context and its own ancestors (earlier non-root nodes are already cached)."""
         nodes = list(range(first, len(tree)))
         past = self.cache.get_seq_length()              # context + tree nodes 1..first-1
         anc = tree.ancestor_mask()[first:, 1:]          # [n, len(tree) - 1], root is part of the context
@@ -179,8 +181,13 @@ class DraftModelProposer:
         depths = tree.depths()
         ids = torch.tensor([[tree.tokens[i] for i in nodes]], device=self.device)
         pos = torch.tensor([[context_len - 1 + depths[i] for i in nodes]], device=self.device)
+        return nodes, ids, pos, mask[None, None].to(self.device)
+
+    def _forward_nodes(self, tree: DraftTree, first: int, context_len: int) -> torch.Tensor:
+        """Draft logits [n, vocab] for tree nodes first.."""
+        _, ids, pos, mask = self._node_inputs(tree, first, context_len)
         t0 = time.perf_counter()
-        logits = fast_forward.forward(self.model, self.cache, ids, pos, mask[None, None].to(self.device))[0].float()
+        logits = fast_forward.forward(self.model, self.cache, ids, pos, mask)[0].float()
         self._time_forward(t0)
         return logits
 

@@ -110,18 +110,10 @@ class EagleProposer(DraftModelProposer):
 
     def _forward_nodes(self, tree: DraftTree, first: int, context_len: int) -> torch.Tensor:
         """Head logits [n, vocab] for tree nodes first.. (their parents' predicted features as input)."""
-        nodes = list(range(first, len(tree)))
-        past = self.cache.get_seq_length()                  # context + tree nodes 1..first-1
-        anc = tree.ancestor_mask()[first:, 1:]              # [n, len(tree) - 1]
-        visible = torch.ones(len(nodes), past + len(nodes), dtype=torch.bool)
-        visible[:, context_len - self.offset:] = anc
-        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, torch.finfo(self.dtype).min)
-        depths = tree.depths()
-        ids = torch.tensor([[tree.tokens[i] for i in nodes]], device=self.device)
-        pos = torch.tensor([[context_len - 1 + depths[i] for i in nodes]], device=self.device)
+        nodes, ids, pos, mask = self._node_inputs(tree, first, context_len)
         feats = torch.stack([self.node_feats[tree.parents[i]] for i in nodes])[None]            # [1, n, H]
         t0 = time.perf_counter()
-        predicted = self.head(feats, ids, pos, kv=self.cache, mask=mask[None, None].to(self.device))[0]
+        predicted = self.head(feats, ids, pos, kv=self.cache, mask=mask)[0]
         self._time_forward(t0)
         for i, node in enumerate(nodes):
             self.node_feats[node] = predicted[i]
