@@ -149,24 +149,68 @@ def _batch(tokens: list[list[int]], feats: list[torch.Tensor], idx: list[int]
     return ids, f, valid
 
 
+class _StepCache:
+    """Keys/values of the first (teacher-input) pass kept for the second pass to attend to (autograd-safe)."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            self.keys, self.values = k, v
+            return k, v
+        return torch.cat([self.keys, k], dim=-2), torch.cat([self.values, v], dim=-2)
+
+
+def _second_pass_mask(n1: int, n2: int) -> torch.Tensor:
+    """Additive [1, 1, n2, n1 + n2]: pass-2 query j sees pass-1 keys 0..j (true context) and only itself.
+
+    That is what a depth-2 tree node sees when decoding: the committed context up to its root, then its own
+    path (`_depth_hits` builds the same mask)."""
+    j = torch.arange(n2)[:, None]
+    visible = torch.cat([torch.arange(n1)[None] <= j, torch.eye(n2, dtype=torch.bool)], dim=1)
+    return torch.zeros(visible.shape).masked_fill_(~visible, torch.finfo(torch.float32).min)[None, None]
+
+
+def _step_loss(head: EagleHead, pred: torch.Tensor, true: torch.Tensor, mask: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(smooth L1, cross-entropy from the target's distribution, top-1 agreement), each masked-mean."""
+    denom = mask.sum().clamp(min=1)
+    reg = (F.smooth_l1_loss(pred, true, reduction="none").mean(-1) * mask).sum() / denom
+    with torch.no_grad():
+        target_logp = head.logits(true).log_softmax(-1)                  # [B, T', V']
+    logq = head.logits(pred).log_softmax(-1)
+    ce = (-(target_logp.exp() * logq).sum(-1) * mask).sum() / denom
+    top1 = ((logq.argmax(-1) == target_logp.argmax(-1)).float() * mask).sum() / denom
+    return reg, ce, top1
+
+
 def head_loss(head: EagleHead, ids: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, noise: float = 0.0,
-              w_cls: float = 1.0, gen: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """EAGLE's loss on sequences: input (f_t, x_{t+1}) for t < T-1, targets f_{t+1} and the target's p_{t+1}."""
+              w_cls: float = 1.0, gen: torch.Generator | None = None, ttt: bool = False
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """EAGLE's loss on sequences: input (f_t, x_{t+1}) for t < T-1, targets f_{t+1} and the target's p_{t+1}.
+
+    `ttt` (EAGLE-3's training-time test, two steps): a second pass reads the head's own predictions
+    (f̂_{t+1}, x_{t+2}) as a depth-2 node does, so the head learns to draft on its own features too."""
     inp = feats[:, :-1]
     if noise:
         inp = inp + (torch.rand(inp.shape, generator=gen) * 2 - 1) * noise
     pos = torch.arange(1, ids.shape[1])[None].expand(ids.shape[0], -1)
-    pred = head(inp, ids[:, 1:], pos)                                    # [B, T-1, H]
-    true = feats[:, 1:]
-    mask = (valid[:, 1:] & valid[:, :-1]).float()                        # [B, T-1]
-    denom = mask.sum().clamp(min=1)
-    reg = (F.smooth_l1_loss(pred, true, reduction="none").mean(-1) * mask).sum() / denom
-    with torch.no_grad():
-        target_logp = head.logits(true).log_softmax(-1)                  # [B, T-1, V']
-    logq = head.logits(pred).log_softmax(-1)
-    ce = (-(target_logp.exp() * logq).sum(-1) * mask).sum() / denom
-    top1 = ((logq.argmax(-1) == target_logp.argmax(-1)).float() * mask).sum() / denom
-    return reg + w_cls * ce, {"reg": reg.item(), "ce": ce.item(), "top1": top1.item()}
+    kv = _StepCache() if ttt else None
+    pred = head(inp, ids[:, 1:], pos, kv=kv)                              # [B, T-1, H]: f̂_{t+1}
+    reg, ce, top1 = _step_loss(head, pred, feats[:, 1:], (valid[:, 1:] & valid[:, :-1]).float())
+    loss, parts = reg + w_cls * ce, {"reg": reg.item(), "ce": ce.item(), "top1": top1.item()}
+    if ttt and ids.shape[1] > 2:
+        n1, n2 = pred.shape[1], pred.shape[1] - 1
+        pred2 = head(pred[:, :-1], ids[:, 2:], pos[:, 1:] + 1, kv=kv, mask=_second_pass_mask(n1, n2))
+        reg2, ce2, top2 = _step_loss(head, pred2, feats[:, 2:], (valid[:, 2:] & valid[:, :-2]).float())
+        loss = loss + reg2 + w_cls * ce2
+        parts.update(ce2=ce2.item(), top1_d2=top2.item())
+    return loss, parts
 
 
 @torch.no_grad()
@@ -230,7 +274,7 @@ def _lr(step: int, steps: int, lr: float) -> float:
 
 def train_head(head: EagleHead, tokens: list[list[int]], feats: list[torch.Tensor], steps: int, batch: int = 8,
                lr: float = 1e-3, noise: float = 0.05, w_cls: float = 1.0, seed: int = 0,
-               checkpoint: Path | None = None, progress: bool = True) -> dict[str, Any]:
+               checkpoint: Path | None = None, progress: bool = True, ttt: bool = False) -> dict[str, Any]:
     """Optimise fc + layer on the stored features; resumable from `checkpoint` (same settings)."""
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -250,7 +294,7 @@ def train_head(head: EagleHead, tokens: list[list[int]], feats: list[torch.Tenso
     for step in bar:
         idx = torch.randint(len(tokens), (min(batch, len(tokens)),), generator=order).tolist()
         ids, f, valid = _batch(tokens, feats, idx)
-        loss, parts = head_loss(head, ids, f, valid, noise, w_cls, gen)
+        loss, parts = head_loss(head, ids, f, valid, noise, w_cls, gen, ttt)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -269,7 +313,7 @@ def train_head(head: EagleHead, tokens: list[list[int]], feats: list[torch.Tenso
             tmp.replace(checkpoint)
     head.eval()
     recent = history[-50:] or [{"ce": float("nan"), "top1": float("nan"), "reg": float("nan")}]
-    return {key: round(sum(h[key] for h in recent) / len(recent), 4) for key in ("ce", "reg", "top1")}
+    return {key: round(sum(h[key] for h in recent) / len(recent), 4) for key in recent[-1]}
 
 
 def held_out_set(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: int, eos: set[int],
@@ -303,6 +347,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cls-weight", type=float, default=1.0, help="weight of the cross-entropy beside the L1")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="restrict the head's output to the target's N most written tokens (0 = all)")
+    p.add_argument("--ttt", action="store_true",
+                   help="EAGLE-3's training-time test: also train depth 2 on the head's own predicted features")
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from this head (same model and draft vocabulary) instead of a pass-through")
     p.add_argument("--eval-seqs", type=int, default=128, help="held-out prompts (conversations never trained on)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -370,26 +418,42 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     prompts = [p for p in (_prompt_of(r) for r in eval_rows) if p]
     windows = prompt_windows(target.tokenizer, prompts, 32)
     eval_seqs, eval_feats, eval_valid = held_out_set(target.model, windows, 48, eos, selfgen)
-    head = EagleHead(target.model, vocab)
+    head = _start_head(target.model, vocab, args.init)
     before = depth_agreement(head.eval(), eval_seqs, eval_feats, eval_valid, windows.shape[1])
     tokens = sum(len(s) for s in seqs)
     steps = args.steps if args.steps is not None else max(1, math.ceil(args.epochs * len(seqs) / args.batch))
     t1 = time.perf_counter()
     settings = [len(seqs), args.seq_len, steps, args.batch, args.lr, args.noise, args.cls_weight, args.seed,
-                args.draft_vocab]
+                args.draft_vocab] + ([args.ttt, str(args.init)] if args.ttt or args.init else [])
     checkpoint = folder / f"checkpoint-{sequences_key(seqs, str(settings))}.pt"   # resumed only with the same settings
     final = train_head(head, data["tokens"], data["feats"], steps, args.batch, args.lr, args.noise,
-                       args.cls_weight, args.seed, checkpoint=checkpoint)
+                       args.cls_weight, args.seed, checkpoint=checkpoint, ttt=args.ttt)
     train_s = time.perf_counter() - t1
     after = depth_agreement(head, eval_seqs, eval_feats, eval_valid, windows.shape[1])
     covered = float(torch.isin(eval_seqs[:, windows.shape[1]:], vocab).float().mean()) if vocab is not None else 1.0
     report = {"model": args.model, "data": args.data, "sequences": len(seqs), "seq_len": args.seq_len,
               "train_tokens": tokens, "steps": steps, "batch": args.batch, "lr": args.lr, "noise": args.noise,
-              "cls_weight": args.cls_weight, "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
+              "cls_weight": args.cls_weight, "ttt": args.ttt, "init": str(args.init) if args.init else None,
+              "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
               "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,
               "final_train": final, "features_s": round(features_s, 1), "train_s": round(train_s, 1),
               "seed": args.seed, "torch_threads": torch.get_num_threads()}
     return report, head
+
+
+def _start_head(target: torch.nn.Module, vocab: torch.Tensor | None, init: Path | None) -> EagleHead:
+    """A pass-through head, or `init`'s weights (continued training) when its draft vocabulary is this one."""
+    if init is None:
+        return EagleHead(target, vocab)
+    from rasd.decoding.eagle import load_head
+
+    head = load_head(target, init)
+    same = (head.vocab is None and vocab is None) or (
+        head.vocab is not None and vocab is not None and torch.equal(head.vocab, vocab))
+    if not same:
+        raise ValueError(f"{init}: its draft vocabulary differs from this data's (train it with the same "
+                         f"--data/--seqs/--draft-vocab)")
+    return head.float().train()
 
 
 def _out_rows(head: EagleHead) -> int:

@@ -260,3 +260,46 @@ def test_a_tree_that_fills_its_budget_stops_cleanly(budget: int) -> None:
             SpeculativeDecoder(target, proposer).stream(prompt, 2).__next__()   # the prefill feeds the head
         tree = proposer.propose(prompt, budget)
         assert 1 <= tree.num_draft_tokens <= budget
+
+
+def test_training_time_test_pass_sees_what_a_depth_two_node_sees() -> None:
+    """The second training pass (EAGLE-3's test) computes exactly the depth-2 chain node of decoding."""
+    from rasd.decoding.cache import GrowableLayer
+    from rasd.train.eagle import _second_pass_mask, _StepCache
+
+    target = tiny_llama(3, vocab=96, init=0.02)
+    seq = own_text(target, 1, seed=3)                                         # [1, 48]
+    feats = torch.stack(extract_features(target, [seq[0].tolist()], None)["feats"]).float()
+    head = random_head(target, 3)
+    for p in (head.layer.self_attn.o_proj.weight, head.layer.mlp.down_proj.weight):
+        torch.nn.init.normal_(p, std=0.05)                                    # not a pass-through: attention matters
+    t = seq.shape[1]
+    pos = torch.arange(1, t)[None]
+    with torch.no_grad():
+        kv = _StepCache()
+        pred = head(feats[:, :-1], seq[:, 1:], pos, kv=kv)
+        pred2 = head(pred[:, :-1], seq[:, 2:], pos[:, 1:] + 1, kv=kv, mask=_second_pass_mask(t - 1, t - 2))
+        for j in (0, 5, t - 3):
+            cache = GrowableLayer()
+            first = head(feats[:, : j + 1], seq[:, 1: j + 2], pos[:, : j + 1], kv=cache)
+            node = head(first[:, -1:], seq[:, j + 2: j + 3], torch.tensor([[j + 2]]), kv=cache)
+            torch.testing.assert_close(node[0, 0], pred2[0, j], rtol=1e-3, atol=1e-3)   # a wrong mask: off by ~1
+
+
+def test_training_time_test_lowers_the_depth_two_loss() -> None:
+    """With the second pass trained, drafting on its own features gets better than without (tiny target)."""
+    from rasd.train.eagle import head_loss
+
+    target = tiny_llama(0, vocab=96, init=0.02)
+    seqs = own_text(target, 64)
+    data = extract_features(target, [s.tolist() for s in seqs], None, batch=16, shard=64)
+    losses = {}
+    for ttt in (False, True):
+        torch.manual_seed(0)
+        head = EagleHead(target)
+        train_head(head, data["tokens"], data["feats"], 120, batch=8, lr=3e-3, progress=False, ttt=ttt)
+        with torch.no_grad():
+            ids, feats = seqs[:16], torch.stack(data["feats"][:16]).float()
+            _, parts = head_loss(head, ids, feats, torch.ones_like(ids, dtype=torch.bool), ttt=True)
+        losses[ttt] = parts["ce2"]
+    assert losses[True] < losses[False]
