@@ -381,7 +381,7 @@ class BatchDecoder:
             else:
                 logits, first = self._forward_with_chunk(job, ids, pos, mask)
         forward_s[0] = time.perf_counter() - t0
-        verdicts = [accept(tree, logits[b, : len(tree)], stream.sampling, stream.gen)
+        verdicts = [accept(tree, logits[b, : len(tree)], stream.sampling, stream.gen, stream.process)
                     for b, (stream, tree) in enumerate(zip(self.streams, trees, strict=True))]
         cache.keep_rows(past_len, [[0, *v.accepted] for v in verdicts])
         verify_s = (time.perf_counter() - t0) / len(trees)   # each request's share of the shared forward

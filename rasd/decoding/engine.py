@@ -18,6 +18,7 @@ from rasd.decoding import fast_forward
 from rasd.decoding.cache import TreeCache, cache_kwargs
 from rasd.decoding.features import row_features, shared_tap
 from rasd.decoding.kernels import fast_kernels, install
+from rasd.decoding.logits import LogitsProcessors
 from rasd.decoding.proposers import Proposer, RecyclingMatrix
 from rasd.decoding.proposers.registry import DecoderSetup, make_proposer, method_spec
 from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
@@ -27,10 +28,11 @@ from rasd.decoding.sizing.sizers import FixedSizer, Sizer, make_sizer
 from rasd.decoding.static_step import StaticRows, StepConfig, shared_rows
 from rasd.decoding.stats import DecodeStats
 from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict, verify
+from rasd.decoding.verify import Process, Verdict, verify
 
-# a verification step for one request: (tree, sampling, generator) -> (verdict, logits [T, vocab])
-VerifyStep = Callable[[DraftTree, SamplingParams, "torch.Generator | None"], tuple[Verdict, torch.Tensor]]
+# a verification step for one request: (tree, sampling, generator, processors) -> (verdict, logits [T, vocab])
+VerifyStep = Callable[[DraftTree, SamplingParams, "torch.Generator | None", "Process | None"],
+                      tuple[Verdict, torch.Tensor]]
 
 
 @dataclass
@@ -155,6 +157,7 @@ class GenerationStream:
         self.output: GenerationOutput | None = None  # type: ignore[assignment]
         self.stats = DecodeStats(method=decoder.method, prompt_tokens=len(prompt_ids))
         self.gen = None if sampling.greedy else sampling.generator()
+        self.processors = LogitsProcessors.for_request(sampling, prompt_ids)
         self.context: list[int] = []
         self.generated: list[int] = []
         self.reason: str | None = None
@@ -189,7 +192,7 @@ class GenerationStream:
             if rows is not None:      # the prompt's K/V move into the static store; prefill stays eager
                 rows.add_row(cache)
             verify_step: VerifyStep = rows.verify if rows is not None else (
-                lambda tree, params, gen: verify(dec.model, cache, tree, params, gen))
+                lambda tree, params, gen, process: verify(dec.model, cache, tree, params, gen, process))
             while self.reason is None:
                 with fast_kernels(dec.fast):   # per step: never held across a yield to the caller
                     block = self.step(verify_step)
@@ -209,7 +212,7 @@ class GenerationStream:
             return []
         tree = self.size(tree)
         t1 = time.perf_counter()
-        verdict, logits = verify_step(tree, self.sampling, self.gen)
+        verdict, logits = verify_step(tree, self.sampling, self.gen, self.process)
         verify_s = time.perf_counter() - t1
         hidden = row_features(self.decoder.model, 0, len(tree), len(tree))
         return self.commit(tree, verdict, logits, t1 - t0, verify_s, alone_s=verify_s, hidden=hidden)
@@ -245,6 +248,8 @@ class GenerationStream:
 
     def first_token(self, logits: torch.Tensor) -> list[int]:
         """The first new token from the prompt's last-position logits [vocab], as a block."""
+        if self.processors is not None:
+            logits = self.processors.apply(logits, self.prompt_ids)
         first = next_token(logits.float(), self.sampling, self.gen)
         self.context, self.generated = self.prompt_ids + [first], [first]
         self.last_sources = ["prefill"]
@@ -252,6 +257,15 @@ class GenerationStream:
         _, self.reason = self.checker.cut([], [first])
         self.stats.prefill_time_s = time.perf_counter() - self._t_start
         return [first]
+
+    @property
+    def process(self) -> Process | None:
+        """This request's penalties / bias for the verifier, applied per node from the committed context and
+        the node's own path (`decoding.logits`); None when it asks for none."""
+        processors = self.processors
+        if processors is None:
+            return None
+        return lambda tree, logits: processors.apply(logits, self.context, tree)
 
     def propose(self) -> DraftTree | None:
         """The proposer's tree for the next step (root = last committed token), within the sizer's budget and

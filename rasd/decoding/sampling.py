@@ -6,6 +6,7 @@ would (temperature, then top-k, then top-p, like HF's processors), so both paths
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,12 +14,19 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature == 0 means greedy decoding (argmax of the raw logits)."""
+    """temperature == 0 means greedy decoding (argmax of the processed logits).
+
+    The penalties and `logit_bias` ((token id, bias) pairs) are applied before temperature, top-k and top-p,
+    to every tree node from its own path (`decoding.logits`)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -27,6 +35,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
+        if any(not math.isfinite(b) for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be finite numbers")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a penalty or a bias changes the target's logits (`decoding.logits`)."""
+        return (self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+                or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:

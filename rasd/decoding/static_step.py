@@ -39,7 +39,7 @@ from rasd.decoding.cache import TreeCache, drop_rows
 from rasd.decoding.features import norm_tap
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict, accept
+from rasd.decoding.verify import Process, Verdict, accept
 
 MIN_KEYS = 256          # smallest key bucket (and initial capacity)
 MAX_GRAPHS = 96         # graphs kept per store; shapes beyond run eagerly
@@ -200,12 +200,12 @@ class StaticRows:
         return graph[1][: len(trees), :width].float().clone()
 
     @torch.inference_mode()
-    def verify(self, tree: DraftTree, params: SamplingParams, gen: torch.Generator | None
-               ) -> tuple[Verdict, torch.Tensor]:
+    def verify(self, tree: DraftTree, params: SamplingParams, gen: torch.Generator | None,
+               process: Process | None = None) -> tuple[Verdict, torch.Tensor]:
         """`verify.verify` for a store holding one row: forward, acceptance, compaction."""
         start = self.get_seq_length()
         logits = self.forward([tree])[0, : len(tree)]
-        verdict = accept(tree, logits, params, gen)
+        verdict = accept(tree, logits, params, gen, process)
         self.keep_rows(start, [[0, *verdict.accepted]])
         return verdict, logits
 

@@ -7,7 +7,7 @@ distribution a draft token was sampled from (known only for sampled drafts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +16,9 @@ from rasd.decoding import fast_forward
 from rasd.decoding.cache import TreeCache
 from rasd.decoding.sampling import SamplingParams, sample, target_probs
 from rasd.decoding.tree import DraftTree
+
+# a request's logits processors: (tree, logits [T, vocab]) -> processed logits [T, vocab] (`decoding.logits`)
+Process = Callable[[DraftTree, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -148,9 +151,13 @@ def _try_candidate(p: torch.Tensor, x: int, q: torch.Tensor | None, gen: torch.G
     return residual / total, False
 
 
-def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None
-           ) -> Verdict:
-    """The verdict on one tree from its target logits [T, vocab]: greedy match, or exact sampling."""
+def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
+           process: Process | None = None) -> Verdict:
+    """The verdict on one tree from its target logits [T, vocab]: greedy match, or exact sampling.
+
+    `process`: the request's penalties / bias, applied to each node's logits from its own path first."""
+    if process is not None:
+        logits = process(tree, logits)
     if params.greedy:
         return accept_greedy(tree, logits)
     assert gen is not None
@@ -159,14 +166,14 @@ def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: t
 
 @torch.inference_mode()
 def verify(model: torch.nn.Module, cache: TreeCache, tree: DraftTree, params: SamplingParams,
-           gen: torch.Generator | None) -> tuple[Verdict, torch.Tensor]:
+           gen: torch.Generator | None, process: Process | None = None) -> tuple[Verdict, torch.Tensor]:
     """Forward the tree, decide acceptance, compact the cache to the accepted path.
 
-    Returns the verdict and the target logits [T, vocab] (proposers such as Token Recycling learn from
+    Returns the verdict and the target's raw logits [T, vocab] (proposers such as Token Recycling learn from
     every position, accepted or not).
     """
     past_len = cache.get_seq_length()
     logits = tree_forward(model, cache, tree)
-    verdict = accept(tree, logits, params, gen)
+    verdict = accept(tree, logits, params, gen, process)
     cache.keep(past_len, [0, *verdict.accepted])
     return verdict, logits
