@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from rasd.decoding.engine import build_decoder
 from rasd.decoding.model_loading import load_model
@@ -114,3 +115,21 @@ def test_stop_string_cuts_text_and_tokens(loaded: Any, references: dict[str, Any
     assert out.token_ids == ref[:cut]
     assert out.text == full[: full.find(stop)]
     assert stop not in out.text
+
+
+@needs_data
+@pytest.mark.parametrize("method", ["pld", "rasd"])
+def test_greedy_with_repetition_penalty_equals_hf(loaded: Any, method: str) -> None:
+    """Under HF's repetition penalty, speculative decoding on the real model still equals HF `generate`."""
+    from rasd.decoding.sampling import SamplingParams
+
+    category = "summarization" if "summarization" in CATEGORIES else CATEGORIES[0]
+    prompt = chat_ids(loaded.tokenizer, dict(PROMPTS)[category])
+    x = torch.tensor([prompt])
+    with torch.inference_mode():
+        ref = loaded.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
+                                    repetition_penalty=1.15, eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt):]
+    out = build_decoder(loaded, method, sizing="fixed", max_nodes=8).generate(
+        prompt, MAX_NEW, sampling=SamplingParams(repetition_penalty=1.15), eos_token_ids={EOS})
+    assert out.token_ids == ref.tolist(), f"{method}: {out.token_ids} != {ref.tolist()}"
+    print(f"{method} with repetition_penalty 1.15: {out.stats.summary()}")
