@@ -47,10 +47,31 @@ class GenerationOutput:
     # "documents", "context", "draft", ...) when verification accepted it, or "bonus" (the target's own token)
     token_sources: list[str] = field(default_factory=list)
     plain_step_s: float | None = None   # measured latency of one plain decoding step (cost curve, 1 token)
+    logprobs: list[TokenLogprob] | None = None   # per token of `token_ids`, when the request asked for them
 
     @property
     def finished(self) -> bool:
         return True
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target (raw logits, before penalties and temperature,
+    as vLLM reports by default) and the `k` most likely tokens at its position, from the forward that
+    verified it: the same numbers plain decoding's forward gives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """logits [n, V] (row i: the distribution `tokens[i]` was chosen from) -> one `TokenLogprob` each."""
+    logp = logits[: len(tokens)].float().log_softmax(-1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    return [TokenLogprob(tok, lp, tuple(zip(ids, vals, strict=True)))
+            for tok, lp, ids, vals in zip(tokens, chosen, top_i.tolist(), top_v.tolist(), strict=True)]
 
 
 class _StopChecker:
@@ -131,8 +152,11 @@ class SpeculativeDecoder:
         return stream.output
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-               eos_token_ids: set[int] | None = None, stop: list[str] | None = None) -> GenerationStream:
-        """An iterator of committed token blocks; its `.output` is set when it is exhausted."""
+               eos_token_ids: set[int] | None = None, stop: list[str] | None = None,
+               logprobs: int | None = None) -> GenerationStream:
+        """An iterator of committed token blocks; its `.output` is set when it is exhausted.
+
+        `logprobs`: record every new token's log-probability and this many alternatives (None: none)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if max_new_tokens < 1:
@@ -140,7 +164,7 @@ class SpeculativeDecoder:
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
         checker = _StopChecker(max_new_tokens, set(eos_token_ids or ()), list(stop or []), self.tokenizer)
-        return GenerationStream(self, list(prompt_ids), sampling or GREEDY, checker)
+        return GenerationStream(self, list(prompt_ids), sampling or GREEDY, checker, logprobs)
 
 
 class GenerationStream:
@@ -152,7 +176,7 @@ class GenerationStream:
     """
 
     def __init__(self, decoder: SpeculativeDecoder, prompt_ids: list[int], sampling: SamplingParams,
-                 checker: _StopChecker):
+                 checker: _StopChecker, logprobs: int | None = None):
         self.decoder, self.prompt_ids, self.sampling, self.checker = decoder, prompt_ids, sampling, checker
         self.output: GenerationOutput | None = None  # type: ignore[assignment]
         self.stats = DecodeStats(method=decoder.method, prompt_tokens=len(prompt_ids))
@@ -165,6 +189,9 @@ class GenerationStream:
         # thread may read the sources of the tokens it has been handed while this one goes on decoding
         self.token_sources: list[str] = []
         self.last_sources: list[str] = []   # the sources of the last committed block
+        self.logprobs_k = logprobs
+        # per committed token when asked for (`logprobs`): append-only like token_sources
+        self.token_logprobs: list[TokenLogprob] | None = None if logprobs is None else []
         self.plain_step_s: float | None = None
         self.budget = 0                      # draft nodes the last `propose` allowed (sizer and context)
         self._t_start = 0.0
@@ -248,9 +275,11 @@ class GenerationStream:
 
     def first_token(self, logits: torch.Tensor) -> list[int]:
         """The first new token from the prompt's last-position logits [vocab], as a block."""
+        raw = logits
         if self.processors is not None:
             logits = self.processors.apply(logits, self.prompt_ids)
         first = next_token(logits.float(), self.sampling, self.gen)
+        self._record_logprobs(raw[None], [first])
         self.context, self.generated = self.prompt_ids + [first], [first]
         self.last_sources = ["prefill"]
         self.token_sources += self.last_sources
@@ -303,6 +332,7 @@ class GenerationStream:
         sources = [tree.sources[i] for i in verdict.accepted]
         stats.record_step(tree.sources[1:], sources, tree.num_draft_tokens)
         self.last_sources = (sources + ["bonus"])[: len(block)]   # a stop condition may have cut the block
+        self._record_logprobs(logits[[0, *verdict.accepted]], block)
         self.token_sources += self.last_sources
         self.context += block
         self.generated += block
@@ -314,6 +344,11 @@ class GenerationStream:
         stats.bookkeeping_time_s += time.perf_counter() - t2
         return block
 
+    def _record_logprobs(self, logits: torch.Tensor, block: list[int]) -> None:
+        """Log-probabilities of a committed block from the rows [n, V] its tokens were chosen from."""
+        if self.token_logprobs is not None and block:
+            self.token_logprobs += token_logprobs(logits, block, self.logprobs_k or 0)
+
     def finish(self) -> GenerationOutput:
         """Close the statistics and build the output (called once the loop ends)."""
         stats = self.stats
@@ -322,7 +357,8 @@ class GenerationStream:
         stats.total_time_s = time.perf_counter() - self._t_start
         self.output = GenerationOutput(token_ids=self.generated, text=self._text(self.generated),
                                        finish_reason=stats.finish_reason, stats=stats,
-                                       token_sources=list(self.token_sources), plain_step_s=self.plain_step_s)
+                                       token_sources=list(self.token_sources), plain_step_s=self.plain_step_s,
+                                       logprobs=None if self.token_logprobs is None else list(self.token_logprobs))
         return self.output
 
     def _text(self, generated: list[int]) -> str | None:
