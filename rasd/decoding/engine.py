@@ -370,7 +370,8 @@ class GenerationStream:
 
 
 def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[Any] | None = None,
-                  sizing: str = "cost", max_nodes: int = 64, **proposer_options: Any) -> SpeculativeDecoder:
+                  sizing: str = "cost", max_nodes: int = 64, heartbeat: Callable[[], None] | None = None,
+                  **proposer_options: Any) -> SpeculativeDecoder:
     """A decoder for a LoadedModel and a method name, with cost-aware sizing against its measured curve.
 
     `sizing` names the tree-size policy (`sizing.sizers.SIZINGS`): `cost` (default) against the target's
@@ -378,12 +379,13 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
     `thompson` or `ldlp` (a trained predictor: option `ldlp=` or $RASD_HOME/ldlp/). What a method needs and
     the options cost sizing gives it come from its `MethodSpec` (`proposers.registry`). `datastores` (token
     suffix arrays) feed the methods that use the index; methods that read the target's Token Recycling
-    matrix get the shared one passed as `recycling=` (hot start), else their own, empty one.
+    matrix get the shared one passed as `recycling=` (hot start), else their own, empty one. `heartbeat`: called
+    while a cost curve is measured on first use (a scheduler's stall detector).
     """
     spec = method_spec(method)
     if spec.uses_recycling:
         proposer_options.setdefault("recycling", RecyclingMatrix(vocab_size(target.model)))
-    curve_for = _curve_provider(target)   # lazy: nothing is measured unless a policy asks for the curve
+    curve_for = _curve_provider(target, heartbeat)   # lazy: nothing is measured unless a policy asks for the curve
     drafter = spec.ldlp_drafter(None if draft is None else draft.name)
     setup = DecoderSetup(target, draft, sizing, proposer_options, curve_for)
     if spec.configure is not None:
@@ -411,7 +413,7 @@ def vocab_size(model: torch.nn.Module) -> int:
     return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
-def _curve_provider(target: Any) -> Callable[[int], Any]:
+def _curve_provider(target: Any, heartbeat: Callable[[], None] | None = None) -> Callable[[int], Any]:
     """Memoised context length → cost curve for this target (measured once per bucket, cached on disk)."""
     memo: dict[int, Any] = {}
 
@@ -419,7 +421,7 @@ def _curve_provider(target: Any) -> Callable[[int], Any]:
         bucket = context_bucket(context_len)
         if bucket not in memo:
             memo[bucket] = load_or_measure(target.model, target.name, target.device, target.dtype, context_len,
-                                           step=getattr(target, "step", None))
+                                           step=getattr(target, "step", None), heartbeat=heartbeat)
         return memo[bucket]
 
     return curve_for

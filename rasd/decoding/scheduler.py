@@ -96,6 +96,10 @@ class Scheduler:
         """The caller went away: the request leaves the batch before the next step."""
         ticket.cancelled = True
 
+    def beat(self) -> None:
+        """The loop is busy with a long but live piece of work (a first cost-curve measurement): not stuck."""
+        self.last_progress = time.monotonic()
+
     def stalled(self, limit_s: float = STALL_S) -> bool:
         """Requests wait or run and nothing has finished for `limit_s`: the loop is stuck (a hung step, a
         call queued on the compute thread that never returns). `/healthz` turns this into a 503."""

@@ -187,7 +187,8 @@ def _skip(payload: Any, n: int) -> Any:
     if n >= _count(payload):
         return None
     if hasattr(payload, "tokens"):
-        return replace(payload, tokens=payload.tokens[n:], sources=payload.sources[n:])
+        logprobs = None if payload.logprobs is None else payload.logprobs[n:]
+        return replace(payload, tokens=payload.tokens[n:], sources=payload.sources[n:], logprobs=logprobs)
     return payload[n:]
 
 

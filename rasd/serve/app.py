@@ -38,9 +38,11 @@ from rasd.serve.openai import (
     chunk_body,
     completion_body,
     error_body,
+    logprobs_body,
     new_id,
     sse,
     usage,
+    usage_chunk,
 )
 from rasd.serve.service import Prepared, ServeConfig, Service, default_threads
 from rasd.serve.web import static_file
@@ -194,7 +196,7 @@ class RasdServer:
         check_chat(body, self.limits)
         self.service.check_capacity()
         self.service.check_model(body.model)
-        ids = await asyncio.to_thread(self.service.encode_chat, [m.model_dump() for m in body.messages])
+        ids = await asyncio.to_thread(self.service.encode_chat, body.message_dicts())
         prepared = self.service.prepare(body, ids, self.config.method, None)
         return await self._generate("chat", body, prepared, chat=True)
 
@@ -203,7 +205,7 @@ class RasdServer:
         check_question(body, self.limits)
         self.service.check_capacity()
         ids, sources = await asyncio.to_thread(self.service.docqa_prompt, body.question, body.top_k_sources,
-                                               body.max_tokens)
+                                               body.token_limit())
         prepared = self.service.prepare(body, ids, self.config.docqa_method, 256, sources)
         if body.stream:
             events = await _admitted(self.service.events(prepared, sourced=True))
@@ -228,32 +230,46 @@ class RasdServer:
     async def _generate(self, endpoint: str, body: Any, prepared: Prepared, chat: bool) -> Any:
         if body.stream:
             events = await _admitted(self.service.events(prepared))
-            return StreamingResponse(self._sse(endpoint, prepared, chat, events), media_type="text/event-stream")
+            return StreamingResponse(self._sse(endpoint, prepared, chat, events, body),
+                                     media_type="text/event-stream")
         start = time.perf_counter()
         output = await self.service.run(prepared)
         self.service.metrics.record(endpoint, output.stats, time.perf_counter() - start)
+        logprobs = None if output.logprobs is None else logprobs_body(output.logprobs, self._piece, chat)
         return completion_body(new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, output.text or "",
-                               FINISH_REASONS[output.finish_reason], chat,
+                               FINISH_REASONS[output.finish_reason], chat, logprobs,
                                usage=_usage(len(prepared.prompt_ids), output),
                                rasd=_stats_view(output))
 
+    def _piece(self, token: int) -> str:
+        """One token's text, as the `logprobs` objects show it."""
+        return self.service.target.tokenizer.decode([token])
+
     async def _sse(self, endpoint: str, prepared: Prepared, chat: bool,
-                   events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[str]:
+                   events: AsyncIterator[tuple[str, Any]], body: Any = None) -> AsyncIterator[str]:
         rid, model = new_id("chatcmpl" if chat else "cmpl"), self.config.model_name
         text = Detokenizer(self.service.target.tokenizer, prepared.stop)
-        start, first = time.perf_counter(), True
+        start, first, offset = time.perf_counter(), True, 0
+        include_usage = getattr(body, "include_usage", False)
         try:
             async for kind, payload in events:
                 if kind == "tokens":
-                    delta = text.push(payload)
-                    if delta or first:
-                        yield sse(chunk_body(rid, model, delta, None, chat, first=first))
+                    tokens = payload.tokens if hasattr(payload, "tokens") else payload
+                    delta = text.push(tokens)
+                    logprobs = None
+                    if getattr(payload, "logprobs", None) is not None:
+                        logprobs = logprobs_body(payload.logprobs, self._piece, chat, offset)
+                        offset += sum(len(self._piece(t)) for t in tokens)
+                    if delta or first or logprobs is not None:
+                        yield sse(chunk_body(rid, model, delta, None, chat, first=first, logprobs=logprobs))
                         first = False
                     continue
                 rest = text.finish(payload.text or "")
+                usage_body = _usage(len(prepared.prompt_ids), payload)
                 yield sse(chunk_body(rid, model, rest, FINISH_REASONS[payload.finish_reason], chat,
-                                     usage=_usage(len(prepared.prompt_ids), payload),
-                                     rasd=_stats_view(payload)))
+                                     usage=usage_body, rasd=_stats_view(payload)))
+                if include_usage:
+                    yield sse(usage_chunk(rid, model, chat, usage_body))
                 self.service.metrics.record(endpoint, payload.stats, time.perf_counter() - start)
         except ApiError as exc:
             self.service.metrics.failed(endpoint, str(exc.status))

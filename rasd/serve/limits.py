@@ -31,6 +31,7 @@ class Limits:
     max_documents: int = 10_000                      # documents per ingest
     max_document_chars: int = 16_000_000             # characters per document
     max_field_chars: int = 4_096                     # a document's title, source or id; a model or method name
+    max_logit_bias: int = 1_024                      # entries of logit_bias
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -67,6 +68,10 @@ def check_common(req: Any, limits: Limits) -> None:
         if not stop:
             raise ApiError(400, "a stop string is empty", param=f"stop.{i}")
         _text(stop, f"stop.{i}", limits.max_stop_chars)
+    if len(getattr(req, "logit_bias", None) or ()) > limits.max_logit_bias:
+        raise ApiError(400, f"logit_bias has {len(req.logit_bias)} entries; the limit is {limits.max_logit_bias}",
+                       param="logit_bias")
+    req.refuse_unsupported()
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise ApiError(400, f"seed must be a 64-bit integer ({SEED_RANGE[0]}..{SEED_RANGE[1]})", param="seed")
     for name in ("model", "method"):
@@ -86,7 +91,7 @@ def check_chat(req: Any, limits: Limits) -> None:
     check_common(req, limits)
     if len(req.messages) > limits.max_messages:
         raise ApiError(400, f"{len(req.messages)} messages; the limit is {limits.max_messages}", param="messages")
-    _texts(((f"messages.{i}.content", m.content) for i, m in enumerate(req.messages)), limits.max_prompt_chars,
+    _texts(((f"messages.{i}.content", m.text(i)) for i, m in enumerate(req.messages)), limits.max_prompt_chars,
            "messages")
 
 

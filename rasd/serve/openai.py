@@ -3,7 +3,11 @@
 Users bring clients written for OpenAI, vLLM or SGLang: field names, defaults (temperature 1.0, max_tokens
 16 for completions), `usage`, `finish_reason` values, server-sent events ending in `data: [DONE]` and the
 `{"error": {...}}` body all follow the OpenAI API. rasd's own additions are optional fields (`method`,
-`top_k`) and a `rasd` object in responses with the speculative-decoding statistics.
+`top_k`, vLLM's `repetition_penalty`) and a `rasd` object in responses with the speculative-decoding statistics.
+
+Every OpenAI field is honoured or refused: one that would change the answer and that we do not support
+(`tools`, `response_format` other than text, `echo`, ...) is a 400 naming it, never silently dropped. Fields
+OpenAI has no name for are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,11 +25,38 @@ from rasd.errors import ApiError, error_body  # noqa: F401  (the schemas' errors
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-class _Request(BaseModel):
+def _off(value: Any) -> bool:
+    return value is None or value is False or value == "" or value == [] or value == {}
+
+
+# OpenAI fields that change the answer and that this service does not implement: refused when set (to a
+# value other than their "off" value), by name. The `rasd` key says what to do instead.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": _off, "tool_choice": lambda v: _off(v) or v == "none", "functions": _off,
+    "function_call": lambda v: _off(v) or v == "none", "audio": _off, "prediction": _off,
+    "modalities": lambda v: _off(v) or v == ["text"], "web_search_options": _off, "reasoning_effort": _off,
+    "response_format": lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text"),
+    "echo": _off, "suffix": _off, "best_of": lambda v: _off(v) or v == 1,
+}
+
+
+class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")   # kept to refuse the unsupported OpenAI fields by name
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, description="vLLM extension: 1.0 = off")
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> -100..100")
+    stream_options: StreamOptions | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="rasd/vLLM extension: 0 = off")
@@ -39,9 +71,50 @@ class _Request(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def refuse_unsupported(self) -> None:
+        """400 for an OpenAI field this service would otherwise have to ignore."""
+        for name, value in (self.model_extra or {}).items():
+            is_off = UNSUPPORTED.get(name)
+            if is_off is not None and not is_off(value):
+                raise ApiError(400, f"{name} is not supported by this service", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+    def token_limit(self) -> int | None:
+        """max_completion_tokens (OpenAI's newer name) or max_tokens; both, differing, is a 400."""
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ApiError(400, "max_tokens and max_completion_tokens differ; send one", param="max_completion_tokens")
+        return self.max_completion_tokens or self.max_tokens
+
+    def logit_bias_pairs(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        """(token id, bias) pairs, each id a token of this model and each bias in -100..100 (OpenAI's range)."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit() or int(key) >= vocab:
+                raise ApiError(400, f"logit_bias key {key[:40]!r} is not a token id of this model (0..{vocab - 1})",
+                               param="logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise ApiError(400, f"logit_bias value {value} for token {key} is outside -100..100",
+                               param="logit_bias")
+            pairs.append((int(key), float(value)))
+        return tuple(pairs)
+
+    def logprobs_k(self) -> int | None:
+        """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionRequest(_Request):
     prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per token (OpenAI: <= 5)")
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, list):
@@ -55,11 +128,37 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[dict[str, Any]] | None
+
+    def text(self, i: int) -> str:
+        """The message's text: a string, or its text parts joined (what OpenAI clients send as parts)."""
+        if isinstance(self.content, str):
+            return self.content
+        if self.content is None:
+            raise ApiError(400, "a message without content needs tool calls, which are not supported",
+                           param=f"messages.{i}.content")
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = str(part.get("type"))[:40]
+                raise ApiError(400, f"content part of type {kind!r} is not supported (only text)",
+                               param=f"messages.{i}.content.{j}")
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def logprobs_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
 
 class DocQARequest(_Request):
@@ -90,9 +189,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, chat: bool, **extra: Any) -> dict[str, Any]:
+def completion_body(rid: str, model: str, text: str, finish: str | None, chat: bool,
+                    logprobs: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """A whole (non-streamed) response."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -102,9 +202,9 @@ def completion_body(rid: str, model: str, text: str, finish: str | None, chat: b
 
 
 def chunk_body(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
-               **extra: Any) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """One streamed chunk; a chat stream's first chunk carries the role."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
@@ -114,6 +214,32 @@ def chunk_body(rid: str, model: str, text: str, finish: str | None, chat: bool, 
         choice["text"] = text
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice], **extra}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, usage_body: dict[str, Any]) -> dict[str, Any]:
+    """`stream_options.include_usage`: the last chunk before [DONE], with no choices and the usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [], "usage": usage_body}
+
+
+def logprobs_body(entries: Sequence[Any], piece: Callable[[int], str], chat: bool, offset: int = 0
+                  ) -> dict[str, Any] | None:
+    """OpenAI's `logprobs` object of some tokens (`TokenLogprob`s): chat's `content` list, or the legacy
+    completions shape (tokens, token_logprobs, top_logprobs, text_offset from `offset`)."""
+    if chat:
+        def one(tok: int, lp: float) -> dict[str, Any]:
+            text = piece(tok)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+
+        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+    tokens = [piece(e.token) for e in entries]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def sse(data: dict[str, Any] | str) -> str:

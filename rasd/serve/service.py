@@ -84,6 +84,7 @@ class TokenBlock:
     tokens: list[int]
     sources: list[str]            # per token: "prefill", a draft source, or "bonus"
     plain_step_s: float | None    # one plain decoding step at the current context (measured cost curve)
+    logprobs: list[Any] | None = None   # per token a `TokenLogprob`, when the request asked for them
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Prepared:
     sampling: SamplingParams
     stop: list[str]
     sources: list[Source] = field(default_factory=list)
+    logprobs: int | None = None   # alternatives per token's log-probability; None: none asked for
 
 
 class Service:
@@ -263,15 +265,18 @@ class Service:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the limit is {self.prompt_limit()}",
                            param="prompt")
         room = self.target.max_context - len(prompt_ids)
-        max_tokens = req.max_tokens or default_max or min(self.config.max_tokens_limit, room)
+        max_tokens = req.token_limit() or default_max or min(self.config.max_tokens_limit, room)
         if max_tokens > self.config.max_tokens_limit:
             raise ApiError(400, f"max_tokens {max_tokens} exceeds this service's limit "
                                 f"{self.config.max_tokens_limit}", param="max_tokens")
         if max_tokens > room:
             raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                                 f"model's context of {self.target.max_context}", param="max_tokens")
-        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
-        return Prepared(prompt_ids, method, max_tokens, sampling, req.stop_list(), sources or [])
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                                  repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
+                                  presence_penalty=req.presence_penalty,
+                                  logit_bias=req.logit_bias_pairs(vocab_size(self.target.model)))
+        return Prepared(prompt_ids, method, max_tokens, sampling, req.stop_list(), sources or [], req.logprobs_k())
 
     # ------------------------------------------------------------------ prompts
     def encode_text(self, text: str) -> list[int]:
@@ -317,16 +322,19 @@ class Service:
         draft = self.draft
         if spec.remote_draft and self.drafts is not None:   # the draft runs in a worker, not here
             extra["draft_proposer"], draft = self.drafts.remote_draft(), None
-        decoder = build_decoder(self.target, p.method, draft=draft, **extra)
+        heartbeat = None if self.scheduler is None else self.scheduler.beat
+        decoder = build_decoder(self.target, p.method, draft=draft, heartbeat=heartbeat, **extra)
         warm_start(decoder.sizer, self._warm.get(p.method))
         if p.sources and self.index is not None:
             scope_proposer(decoder.proposer, self.index, p.sources)
-        return decoder.stream(p.prompt_ids, p.max_tokens, p.sampling, self.target.eos_token_ids, p.stop)
+        return decoder.stream(p.prompt_ids, p.max_tokens, p.sampling, self.target.eos_token_ids, p.stop,
+                              logprobs=p.logprobs)
 
     async def events(self, p: Prepared, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
         """("tokens", block)... then ("done", GenerationOutput); the request leaves the batch if abandoned.
 
-        With `sourced`, each block comes as a `TokenBlock` carrying every token's source.
+        With `sourced`, or when the request asked for log-probabilities, each block comes as a `TokenBlock`
+        carrying every token's source (and log-probability).
         """
         if self.verifier is not None:
             async for event in self.verifier.events(p, sourced):
@@ -360,11 +368,13 @@ class Service:
                     self._finished += 1
                     if self._finished % SAVE_RECYCLING_EVERY == 0:
                         await asyncio.to_thread(self.save_recycling_quietly)
-                if sourced and kind == "tokens":
+                if (sourced or p.logprobs is not None) and kind == "tokens":
                     # token_sources only grows, and a block's sources are appended before it is handed out
-                    sources = stream.token_sources[seen: seen + len(payload)]
+                    part = slice(seen, seen + len(payload))
+                    sources = stream.token_sources[part]
+                    logprobs = None if stream.token_logprobs is None else stream.token_logprobs[part]
                     seen += len(payload)
-                    payload = TokenBlock(list(payload), sources, stream.plain_step_s)
+                    payload = TokenBlock(list(payload), sources, stream.plain_step_s, logprobs)
                 yield kind, payload
                 if finished:
                     return

@@ -75,6 +75,13 @@ def test_measure_curve_is_monotone() -> None:
     assert all(b >= a for a, b in zip(c.latency_s, c.latency_s[1:], strict=False))
 
 
+def test_a_measurement_beats_the_heart_every_round() -> None:
+    """A service's stall detector hears from a first measurement while it runs (it is slow, not stuck)."""
+    beats: list[float] = []
+    measure_curve(tiny_llama(0), 40, sizes=(1, 4), repeats=3, progress=False, heartbeat=lambda: beats.append(1))
+    assert len(beats) == 4
+
+
 def test_load_or_measure_caches_to_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_llama(0)
     calls: list[int] = []

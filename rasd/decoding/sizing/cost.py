@@ -111,14 +111,15 @@ def curve_key(model: torch.nn.Module, name: str, device: str, dtype: str, bucket
 
 @torch.inference_mode()
 def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ...] = DEFAULT_SIZES,
-                  repeats: int = 5, key: str = "", progress: bool = True, step: StepConfig | None = None
-                  ) -> CostCurve:
+                  repeats: int = 5, key: str = "", progress: bool = True, step: StepConfig | None = None,
+                  heartbeat: Callable[[], None] | None = None) -> CostCurve:
     """Time tree verification forwards of each size on top of a `context_len`-token cache.
 
     A chain tree is used: the mask shape, not its pattern, decides the cost. The fastest of `repeats`
     rounds after one warm-up is kept (other processes only ever add time, and a curve measured during a
     burst of load would otherwise forbid speculation until it is re-measured), and latencies are made
-    non-decreasing (noise must not make a bigger tree look cheaper than a smaller one).
+    non-decreasing (noise must not make a bigger tree look cheaper than a smaller one). `heartbeat` is called
+    after every round: a service's health check must not take a long first measurement for a stuck loop.
     """
     device = next(model.parameters()).device
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
@@ -143,6 +144,8 @@ def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ..
             _sync(device)
             if rep:
                 times[size].append(time.perf_counter() - t0)
+        if heartbeat is not None:
+            heartbeat()
     probe = (probe + machine_probe()) / 2   # load before and after the timings
     latencies = [min(times[size]) for size in sizes]
     for i in range(1, len(latencies)):
@@ -174,7 +177,8 @@ def _sync(device: torch.device) -> None:
 
 
 def load_or_measure(model: torch.nn.Module, name: str, device: str, dtype: str, context_len: int,
-                    cache_dir: Path | None = None, step: StepConfig | None = None) -> CostCurve:
+                    cache_dir: Path | None = None, step: StepConfig | None = None,
+                    heartbeat: Callable[[], None] | None = None) -> CostCurve:
     """The cached curve for this (model, device, dtype, threads, bucket, path), measuring it on first use."""
     bucket = context_bucket(context_len)
     key = curve_key(model, name, device, dtype, bucket, step)
@@ -183,13 +187,13 @@ def load_or_measure(model: torch.nn.Module, name: str, device: str, dtype: str, 
     trusted = _TRUSTED.get(path)
     if trusted is not None and time.monotonic() - trusted[0] < TRUSTED_FOR_S and path.exists():
         return trusted[1]
-    curve = _read_or_measure(model, path, key, bucket, step)
+    curve = _read_or_measure(model, path, key, bucket, step, heartbeat)
     _TRUSTED[path] = (time.monotonic(), curve)
     return curve
 
 
 def _read_or_measure(model: torch.nn.Module, path: Path, key: str, bucket: int,
-                     step: StepConfig | None = None) -> CostCurve:
+                     step: StepConfig | None = None, heartbeat: Callable[[], None] | None = None) -> CostCurve:
     """The curve on disk unless it is unreadable or was measured on a busier machine; else a new one."""
     if path.exists():
         try:
@@ -198,7 +202,7 @@ def _read_or_measure(model: torch.nn.Module, path: Path, key: str, bucket: int,
             cached = None   # a corrupt file is re-measured, never trusted
         if cached is not None and not _measured_busy(cached):
             return cached
-    curve = measure_curve(model, bucket, key=key, step=step)
+    curve = measure_curve(model, bucket, key=key, step=step, heartbeat=heartbeat)
     _atomic_write_json(path, asdict(curve))
     return curve
 

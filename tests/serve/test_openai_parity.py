@@ -1,0 +1,150 @@
+"""OpenAI fields on the real service: honoured (penalties, logit_bias, logprobs, content parts,
+max_completion_tokens, stream_options) or refused by name (tools, response_format, echo, ...).
+
+Honoured fields are checked against the in-process engine with the same settings, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.serve.test_serve import sse_events
+
+pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "List four things a river does to the land around it, one per line."
+
+
+@pytest.fixture(scope="module")
+def target(service: dict[str, Any]) -> Any:
+    from rasd.decoding.model_loading import load_model
+
+    return load_model("default")
+
+
+def in_process(target: Any, messages: list[dict[str, str]], max_new: int, method: str = "ar",
+               logprobs: int | None = None, **sampling: Any) -> Any:
+    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.sampling import SamplingParams
+    from rasd.text import encode_chat
+
+    ids = encode_chat(target.tokenizer, messages)
+    stream = build_decoder(target, method).stream(ids, max_new, SamplingParams(**sampling), target.eos_token_ids,
+                                                  logprobs=logprobs)
+    for _ in stream:
+        pass
+    return stream.output
+
+
+REFUSED = [   # (path, extra fields, the field the 400 names)
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ("/v1/chat/completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"presence_penalty": "lots"}, "presence_penalty"),
+    ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/chat/completions", {"max_tokens": 8, "max_completion_tokens": 9}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None}]}, "messages.0.content"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), REFUSED, ids=[r[2] for r in REFUSED])
+def test_unsupported_or_invalid_openai_fields_get_400_naming_them(service: dict[str, Any], path: str,
+                                                                  extra: dict[str, Any], param: str) -> None:
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    r = service["client"].post(path, json={**body, "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_fields_without_effect_and_unknown_fields_are_accepted(service: dict[str, Any]) -> None:
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0,
+            "response_format": {"type": "text"}, "tool_choice": "none", "user": "u-1", "store": False,
+            "some_vendor_field": {"x": 1}}
+    r = service["client"].post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+def test_content_parts_equal_the_same_text_as_a_string(service: dict[str, Any]) -> None:
+    c = service["client"]
+    plain = {"messages": [{"role": "user", "content": "Name a colour.\nJust one."}], "max_tokens": 8,
+             "temperature": 0}
+    parts = {**plain, "messages": [{"role": "user", "content": [{"type": "text", "text": "Name a colour."},
+                                                                {"type": "text", "text": "Just one."}]}]}
+    a, b = c.post("/v1/chat/completions", json=plain), c.post("/v1/chat/completions", json=parts)
+    assert a.status_code == b.status_code == 200
+    assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("method", ["pld", "rasd"])
+def test_penalties_and_bias_equal_the_in_process_engine(service: dict[str, Any], target: Any, method: str) -> None:
+    messages = [{"role": "user", "content": QUESTION}]
+    bias_token = target.tokenizer(" water")["input_ids"][0]
+    settings = {"frequency_penalty": 0.6, "presence_penalty": 0.3, "repetition_penalty": 1.1}
+    body = {"messages": messages, "max_completion_tokens": 40, "temperature": 0, "method": method,
+            "logit_bias": {str(bias_token): 2.0}, **settings}
+    r = service["client"].post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    ref = in_process(target, messages, 40, logit_bias=((bias_token, 2.0),), **settings)
+    assert r.json()["choices"][0]["message"]["content"] == ref.text
+    assert r.json()["usage"]["completion_tokens"] == len(ref.token_ids)
+    unpenalised = in_process(target, messages, 40)
+    assert unpenalised.token_ids != ref.token_ids, "the settings must change the answer for the test to mean much"
+
+
+def test_chat_logprobs_equal_the_engine_streamed_or_not(service: dict[str, Any], target: Any) -> None:
+    messages = [{"role": "user", "content": QUESTION}]
+    body = {"messages": messages, "max_tokens": 24, "temperature": 0, "method": "pld", "logprobs": True,
+            "top_logprobs": 2}
+    r = service["client"].post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    ref = in_process(target, messages, 24, logprobs=2)
+    assert len(content) == len(ref.token_ids) == r.json()["usage"]["completion_tokens"]
+    for entry, want in zip(content, ref.logprobs, strict=True):
+        assert entry["token"] == target.tokenizer.decode([want.token])
+        assert abs(entry["logprob"] - want.logprob) < 1e-3
+        assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6
+        assert entry["bytes"] == list(entry["token"].encode("utf-8", "replace"))
+    with service["client"].stream("POST", "/v1/chat/completions",
+                                  json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        events = sse_events(s)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == r.json()["usage"]
+    streamed = [e for c in events[:-2] if c["choices"][0].get("logprobs")
+                for e in c["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(streamed, content, strict=True)) < 1e-3
+
+
+def test_completion_logprobs_have_the_legacy_shape(service: dict[str, Any]) -> None:
+    r = service["client"].post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 6,
+                                                        "temperature": 0, "logprobs": 3})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    n = r.json()["usage"]["completion_tokens"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert all(len(top) <= 3 for top in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    assert all(v <= 0 for v in lp["token_logprobs"])
+    assert json.dumps(r.json())   # plain JSON: no NaN or infinity
