@@ -30,6 +30,8 @@ from rasd.decoding.stats import DecodeStats
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Process, Verdict, verify
 
+GRAMMAR_SOURCE = "grammar"   # draft nodes of the tokens a request's grammar forces (`decoding.grammar`)
+
 # a verification step for one request: (tree, sampling, generator, processors) -> (verdict, logits [T, vocab])
 VerifyStep = Callable[[DraftTree, SamplingParams, "torch.Generator | None", "Process | None"],
                       tuple[Verdict, torch.Tensor]]
@@ -181,7 +183,7 @@ class GenerationStream:
         self.output: GenerationOutput | None = None  # type: ignore[assignment]
         self.stats = DecodeStats(method=decoder.method, prompt_tokens=len(prompt_ids))
         self.gen = None if sampling.greedy else sampling.generator()
-        self.processors = LogitsProcessors.for_request(sampling, prompt_ids)
+        self.processors = LogitsProcessors.for_request(sampling, prompt_ids, decoder.tokenizer)
         self.context: list[int] = []
         self.generated: list[int] = []
         self.reason: str | None = None
@@ -309,6 +311,9 @@ class GenerationStream:
         self.plain_step_s = dec.sizer.plain_step_s(len(self.context))
         tree = dec.proposer.propose(self.context, budget) if budget > 0 else DraftTree.root_only(self.context[-1])
         self.stats.pruned_nodes += tree.pruned
+        if budget > 0 and self.processors is not None and self.sampling.grammar is not None:
+            for rank, path in enumerate(self.processors.forced_tokens(self.context, vocab_size(dec.model))):
+                tree.add_path(0, path[:budget], GRAMMAR_SOURCE, [1.0 / (rank + 1)] * len(path[:budget]))
         return tree
 
     def size(self, tree: DraftTree) -> DraftTree:

@@ -12,12 +12,14 @@ Semantics follow vLLM / OpenAI / HF, in vLLM's order:
   logit * r otherwise.
 - `frequency_penalty`, `presence_penalty` (OpenAI, vLLM): over the output so far only:
   logit -= frequency * count + presence * (count > 0).
+- `grammar` (`decoding.grammar`): tokens the grammar forbids after the node's path go to -inf, last.
 Temperature, top-k and top-p come after (`sampling.target_probs`), as in HF and vLLM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -28,16 +30,21 @@ from rasd.decoding.tree import DraftTree
 class LogitsProcessors:
     """One request's processors; `apply` takes a tree's logits [T, V] and the committed context."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int]):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], tokenizer: Any = None):
+        if params.grammar is not None and tokenizer is None:
+            raise ValueError("a grammar needs the model's tokenizer")
         self.params = params
         self.prompt_len = len(prompt_ids)
         self._prompt = list(prompt_ids)
+        self._tokenizer = tokenizer
+        self._grammar: Any = None   # a `GrammarMask`, made at the first logits (it needs their width)
         self._cache: dict[tuple[str, torch.device, int], torch.Tensor] = {}
 
     @staticmethod
-    def for_request(params: SamplingParams, prompt_ids: Sequence[int]) -> LogitsProcessors | None:
+    def for_request(params: SamplingParams, prompt_ids: Sequence[int], tokenizer: Any = None
+                    ) -> LogitsProcessors | None:
         """None when the request asks for no processing (the common case costs nothing)."""
-        return LogitsProcessors(params, prompt_ids) if params.processes_logits else None
+        return LogitsProcessors(params, prompt_ids, tokenizer) if params.processes_logits else None
 
     def apply(self, logits: torch.Tensor, context: Sequence[int], tree: DraftTree | None = None) -> torch.Tensor:
         """Processed logits [T, V] (float32) of the nodes of `tree` (root = context[-1]; None: one row whose
@@ -58,7 +65,22 @@ class LogitsProcessors:
                 logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
             if p.frequency_penalty or p.presence_penalty:
                 logits = logits - p.frequency_penalty * out_counts - p.presence_penalty * (out_counts > 0).float()
+        if p.grammar is not None:
+            logits = self._grammar_mask(vocab).apply(logits, context[self.prompt_len:], tree)
         return logits[0] if squeeze else logits
+
+    def forced_tokens(self, context: Sequence[int], vocab: int) -> list[list[int]]:
+        """Token paths spelling what a grammar forces after `context` (none without a grammar)."""
+        if self.params.grammar is None:
+            return []
+        return self._grammar_mask(vocab).forced(context[self.prompt_len:])
+
+    def _grammar_mask(self, vocab: int) -> Any:
+        if self._grammar is None:
+            from rasd.decoding.grammar import GrammarMask
+
+            self._grammar = GrammarMask(self.params.grammar, self._tokenizer, vocab)
+        return self._grammar
 
     def _output_counts(self, context: Sequence[int], tree: DraftTree | None, rows: int, vocab: int,
                        device: torch.device) -> torch.Tensor:
@@ -94,3 +116,4 @@ class LogitsProcessors:
                 bias[tok] += value
             self._cache[key] = bias.to(device)
         return self._cache[key]
+

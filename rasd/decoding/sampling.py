@@ -27,6 +27,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None   # an llguidance grammar (`decoding.grammar.json_grammar`): constrained decoding
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -45,9 +46,9 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether a penalty or a bias changes the target's logits (`decoding.logits`)."""
+        """Whether a penalty, a bias or a grammar changes the target's logits (`decoding.logits`)."""
         return (self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.grammar is not None)
 
     @property
     def greedy(self) -> bool:
