@@ -6,7 +6,7 @@ Users bring clients written for OpenAI, vLLM or SGLang: field names, defaults (t
 `top_k`, vLLM's `repetition_penalty`) and a `rasd` object in responses with the speculative-decoding statistics.
 
 Every OpenAI field is honoured or refused: one that would change the answer and that we do not support
-(`tools`, `response_format` other than text, `echo`, ...) is a 400 naming it, never silently dropped. Fields
+(`tools`, `echo`, `best_of`, ...) is a 400 naming it, never silently dropped. Fields
 OpenAI has no name for are ignored, as vLLM does.
 """
 
@@ -35,7 +35,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tools": _off, "tool_choice": lambda v: _off(v) or v == "none", "functions": _off,
     "function_call": lambda v: _off(v) or v == "none", "audio": _off, "prediction": _off,
     "modalities": lambda v: _off(v) or v == ["text"], "web_search_options": _off, "reasoning_effort": _off,
-    "response_format": lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text"),
     "echo": _off, "suffix": _off, "best_of": lambda v: _off(v) or v == 1,
 }
 
@@ -57,6 +56,8 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, description="vLLM extension: 1.0 = off")
     logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> -100..100")
     stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = Field(
+        default=None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}')
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="rasd/vLLM extension: 0 = off")
@@ -99,6 +100,31 @@ class _Request(BaseModel):
                                param="logit_bias")
             pairs.append((int(key), float(value)))
         return tuple(pairs)
+
+    def grammar(self) -> str | None:
+        """The grammar `response_format` asks for (None: free text); 400 naming the field when it is not one we
+        can build."""
+        fmt = self.response_format
+        if fmt is None or fmt.get("type") in (None, "text"):
+            return None
+        from rasd.decoding.grammar import json_grammar
+
+        kind = fmt.get("type")
+        if kind == "json_object":
+            schema = None
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                               param="response_format.json_schema.schema")
+        else:
+            raise ApiError(400, f"response_format type {str(kind)[:40]!r} is not supported (text, json_object, "
+                                "json_schema)", param="response_format.type")
+        try:
+            return json_grammar(schema)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)[:500], param="response_format") from exc
 
     def logprobs_k(self) -> int | None:
         """How many alternatives each token's log-probability comes with; None: no log-probabilities."""

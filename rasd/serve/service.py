@@ -24,6 +24,7 @@ import torch
 from rasd.apps.docqa import Source, fit_sources, scope_proposer
 from rasd.decoding.compute import ComputeThread
 from rasd.decoding.engine import GenerationOutput, build_decoder, vocab_size
+from rasd.decoding.grammar import ll_tokenizer
 from rasd.decoding.kernels import install
 from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.proposers import METHODS, RecyclingMatrix, method_spec
@@ -272,10 +273,17 @@ class Service:
         if max_tokens > room:
             raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                                 f"model's context of {self.target.max_context}", param="max_tokens")
+        grammar = req.grammar()
+        if grammar is not None:
+            try:
+                ll_tokenizer(self.target.tokenizer, vocab_size(self.target.model))
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="response_format") from exc
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
                                   repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
                                   presence_penalty=req.presence_penalty,
-                                  logit_bias=req.logit_bias_pairs(vocab_size(self.target.model)))
+                                  logit_bias=req.logit_bias_pairs(vocab_size(self.target.model)),
+                                  grammar=grammar)
         return Prepared(prompt_ids, method, max_tokens, sampling, req.stop_list(), sources or [], req.logprobs_k())
 
     # ------------------------------------------------------------------ prompts

@@ -1,5 +1,5 @@
 """OpenAI fields on the real service: honoured (penalties, logit_bias, logprobs, content parts,
-max_completion_tokens, stream_options) or refused by name (tools, response_format, echo, ...).
+max_completion_tokens, stream_options, response_format) or refused by name (tools, echo, best_of, ...).
 
 Honoured fields are checked against the in-process engine with the same settings, token for token.
 """
@@ -45,7 +45,11 @@ def in_process(target: Any, messages: list[dict[str, str]], max_new: int, method
 REFUSED = [   # (path, extra fields, the field the 400 names)
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema",
+                                                  "json_schema": {"schema": {"type": "objectx"}}}}, "response_format"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
@@ -148,3 +152,33 @@ def test_completion_logprobs_have_the_legacy_shape(service: dict[str, Any]) -> N
     assert all(len(top) <= 3 for top in lp["top_logprobs"]) and lp["text_offset"][0] == 0
     assert all(v <= 0 for v in lp["token_logprobs"])
     assert json.dumps(r.json())   # plain JSON: no NaN or infinity
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "city": {"type": "string"}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def test_json_schema_answers_validate_and_equal_plain_decoding(service: dict[str, Any]) -> None:
+    """`response_format` json_schema with rasd: valid JSON of that schema, the same tokens as `ar`."""
+    messages = [{"role": "user", "content": "Anna is 31 and lives in Paris. Describe her as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    answers = {}
+    for method in ("ar", "rasd"):
+        r = service["client"].post("/v1/chat/completions", json={"messages": messages, "max_tokens": 64,
+                                                                 "temperature": 0, "method": method,
+                                                                 "response_format": fmt})
+        assert r.status_code == 200, r.text
+        answers[method] = r.json()
+    text = answers["rasd"]["choices"][0]["message"]["content"]
+    assert text == answers["ar"]["choices"][0]["message"]["content"]
+    value = json.loads(text)
+    assert set(value) == {"name", "age", "city"} and isinstance(value["age"], int)
+    assert isinstance(value["name"], str) and isinstance(value["city"], str)
+    stats = answers["rasd"]["rasd"]
+    print(f"json_schema with rasd: mean accepted {stats['mean_accepted_tokens']:.2f}, "
+          f"{stats.get('accepted_by_source')}")
+    r = service["client"].post("/v1/chat/completions", json={"messages": messages, "max_tokens": 32,
+                                                             "temperature": 0, "response_format":
+                                                             {"type": "json_object"}})
+    assert r.status_code == 200 and isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
