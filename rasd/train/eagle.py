@@ -57,6 +57,23 @@ def conversation_ids(tokenizer: Any, rows: list[dict], seq_len: int, min_len: in
     return out
 
 
+def regenerated_ids(target: Any, rows: list[dict], gen_tokens: int, cache: Path | None, window: int = 32,
+                    batch: int = 32) -> list[list[int]]:
+    """The target's greedy answers to each conversation's first turn: a `window`-token prompt (the turn's end
+    through the chat template) + up to `gen_tokens` new tokens, cut after the first EOS. Cached (`selfgen`)."""
+    from rasd.train.common import _prompt_of, greedy_continuations, prompt_windows
+
+    prompts = [p for p in (_prompt_of(r) for r in rows) if p]
+    windows = prompt_windows(target.tokenizer, prompts, window)
+    eos = sorted(set(target.eos_token_ids or ()))
+    seqs = greedy_continuations(target.model, windows, gen_tokens, batch, eos, cache, desc="regenerating answers")
+    out = []
+    for seq in seqs.tolist():
+        stop = next((i for i in range(window, len(seq)) if seq[i] in eos), len(seq) - 1)
+        out.append(seq[: stop + 1])
+    return out
+
+
 def sequences_key(sequences: list[list[int]], salt: str = "") -> str:
     """A short hash of token sequences (a shard's file name: a longer run reuses a shorter one's shards)."""
     h = hashlib.sha256(salt.encode())
@@ -347,10 +364,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cls-weight", type=float, default=1.0, help="weight of the cross-entropy beside the L1")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="restrict the head's output to the target's N most written tokens (0 = all)")
+    p.add_argument("--regenerate", type=int, default=0, metavar="TOKENS",
+                   help="train on the target's own greedy answers (this many tokens) to each conversation's first "
+                        "turn (EAGLE-3's data: what the head will draft) instead of the conversations as they are")
     p.add_argument("--ttt", action="store_true",
                    help="EAGLE-3's training-time test: also train depth 2 on the head's own predicted features")
     p.add_argument("--init", type=Path, default=None,
-                   help="start from this head (same model and draft vocabulary) instead of a pass-through")
+                   help="continue training this head (its weights and draft vocabulary) instead of a new one")
     p.add_argument("--eval-seqs", type=int, default=128, help="held-out prompts (conversations never trained on)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -407,7 +427,11 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
 
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
+    regen = getattr(args, "regenerate", 0)
+    if regen:
+        seqs = regenerated_ids(target, train_rows, regen, selfgen)
+    else:
+        seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
     if not seqs:
         raise ValueError("no training conversation has 32 tokens")
     folder = features_dir / model_fingerprint(target.model)
@@ -423,7 +447,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     tokens = sum(len(s) for s in seqs)
     steps = args.steps if args.steps is not None else max(1, math.ceil(args.epochs * len(seqs) / args.batch))
     t1 = time.perf_counter()
-    settings = [len(seqs), args.seq_len, steps, args.batch, args.lr, args.noise, args.cls_weight, args.seed,
+    settings = [len(seqs), args.seq_len, regen, steps, args.batch, args.lr, args.noise, args.cls_weight, args.seed,
                 args.draft_vocab] + ([args.ttt, str(args.init)] if args.ttt or args.init else [])
     checkpoint = folder / f"checkpoint-{sequences_key(seqs, str(settings))}.pt"   # resumed only with the same settings
     final = train_head(head, data["tokens"], data["feats"], steps, args.batch, args.lr, args.noise,
@@ -433,7 +457,8 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     covered = float(torch.isin(eval_seqs[:, windows.shape[1]:], vocab).float().mean()) if vocab is not None else 1.0
     report = {"model": args.model, "data": args.data, "sequences": len(seqs), "seq_len": args.seq_len,
               "train_tokens": tokens, "steps": steps, "batch": args.batch, "lr": args.lr, "noise": args.noise,
-              "cls_weight": args.cls_weight, "ttt": args.ttt, "init": str(args.init) if args.init else None,
+              "cls_weight": args.cls_weight, "regenerate": regen, "ttt": args.ttt,
+              "init": str(args.init) if args.init else None,
               "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
               "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,
               "final_train": final, "features_s": round(features_s, 1), "train_s": round(train_s, 1),
@@ -442,18 +467,12 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
 
 
 def _start_head(target: torch.nn.Module, vocab: torch.Tensor | None, init: Path | None) -> EagleHead:
-    """A pass-through head, or `init`'s weights (continued training) when its draft vocabulary is this one."""
+    """A pass-through head over `vocab`, or `init`'s weights and draft vocabulary (continued training)."""
     if init is None:
         return EagleHead(target, vocab)
     from rasd.decoding.eagle import load_head
 
-    head = load_head(target, init)
-    same = (head.vocab is None and vocab is None) or (
-        head.vocab is not None and vocab is not None and torch.equal(head.vocab, vocab))
-    if not same:
-        raise ValueError(f"{init}: its draft vocabulary differs from this data's (train it with the same "
-                         f"--data/--seqs/--draft-vocab)")
-    return head.float().train()
+    return load_head(target, init).float().train()
 
 
 def _out_rows(head: EagleHead) -> int:

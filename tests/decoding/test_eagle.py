@@ -245,6 +245,14 @@ def test_train_eagle_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,  # noq
     assert main(["generate", "--model", str(tiny_model_dir), "--method", "eagle", "--eagle", str(out), "--prompt",
                  "the quick brown fox", "--max-new-tokens", "8", "--sizing", "fixed", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
+    # continued on the target's own answers with the training-time test: same vocabulary, a report that says so
+    more = tmp_path / "head2.safetensors"
+    assert main([*args[:-2], "--eval-seqs", "4", "--out", str(more), "--init", str(out), "--regenerate", "12",
+                 "--ttt", "--steps", "10"]) == 0
+    report2 = json.loads(more.with_suffix(".json").read_text())
+    assert report2["regenerate"] == 12 and report2["ttt"] and report2["init"] == str(out)
+    assert torch.equal(load_file(str(more))["draft_vocab"], first["draft_vocab"])
+    assert list((tmp_path / "home" / "selfgen").rglob("*.pt")), "the regenerated answers are cached"
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 5])
