@@ -10,13 +10,14 @@ foreground until interrupted; `--detach` leaves it running on a local Ray cluste
 
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from rasd.serve.openai import (
     CompletionRequest,
     DocQARequest,
     DocumentsRequest,
+    choice_body,
     chunk_body,
     completion_body,
     error_body,
@@ -111,6 +113,45 @@ async def _admitted(events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[tup
             yield event
 
     return replay()
+
+
+@dataclass
+class _ChoiceStream:
+    """One choice's text and log-probability offset while its chunks are streamed."""
+
+    text: Detokenizer
+    first: bool = True
+    offset: int = 0
+
+
+async def _merged(streams: list[AsyncIterator[tuple[str, Any]]]) -> AsyncIterator[tuple[int, str, Any]]:
+    """(choice, kind, payload) from several event streams as they come; an ApiError in one is handed on as
+    ("error", the error) and ends the merge (the other streams are cancelled, their requests leave the batch)."""
+    queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+
+    async def pump(i: int, events: AsyncIterator[tuple[str, Any]]) -> None:
+        try:
+            async for kind, payload in events:
+                await queue.put((i, kind, payload))
+        except ApiError as exc:
+            await queue.put((i, "error", exc))
+        finally:
+            await queue.put((i, "end", None))
+
+    tasks = [asyncio.create_task(pump(i, events)) for i, events in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            i, kind, payload = await queue.get()
+            if kind == "end":
+                open_streams -= 1
+                continue
+            yield i, kind, payload
+            if kind == "error":
+                return
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 @serve.deployment(name="RasdServer", max_ongoing_requests=256, health_check_period_s=10)
@@ -203,6 +244,8 @@ class RasdServer:
     @api.post("/v1/docqa")
     async def docqa(self, body: DocQARequest) -> Any:
         check_question(body, self.limits)
+        if body.n != 1:
+            raise ApiError(400, "document QA answers with one choice (n=1)", param="n")
         self.service.check_capacity()
         ids, sources = await asyncio.to_thread(self.service.docqa_prompt, body.question, body.top_k_sources,
                                                body.token_limit())
@@ -228,52 +271,67 @@ class RasdServer:
 
     # ------------------------------------------------------------------ helpers
     async def _generate(self, endpoint: str, body: Any, prepared: Prepared, chat: bool) -> Any:
+        """One response of `body.n` choices, each decoded as its own row of the batch."""
+        choices = self.service.choices(prepared, body.n)
         if body.stream:
-            events = await _admitted(self.service.events(prepared))
+            events = [await _admitted(self.service.events(p)) for p in choices]
             return StreamingResponse(self._sse(endpoint, prepared, chat, events, body),
                                      media_type="text/event-stream")
         start = time.perf_counter()
-        output = await self.service.run(prepared)
-        self.service.metrics.record(endpoint, output.stats, time.perf_counter() - start)
-        logprobs = None if output.logprobs is None else logprobs_body(output.logprobs, self._piece, chat)
-        return completion_body(new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, output.text or "",
-                               FINISH_REASONS[output.finish_reason], chat, logprobs,
-                               usage=_usage(len(prepared.prompt_ids), output),
-                               rasd=_stats_view(output))
+        async with asyncio.TaskGroup() as group:   # one failing choice cancels the others
+            tasks = [group.create_task(self.service.run(p)) for p in choices]
+        outputs = [t.result() for t in tasks]
+        bodies = []
+        for i, output in enumerate(outputs):
+            self.service.metrics.record(endpoint, output.stats, time.perf_counter() - start)
+            logprobs = None if output.logprobs is None else logprobs_body(output.logprobs, self._piece, chat)
+            bodies.append(choice_body(i, output.text or "", FINISH_REASONS[output.finish_reason], chat, logprobs))
+        total = usage(len(prepared.prompt_ids), sum(len(o.token_ids) for o in outputs),
+                      outputs[0].stats.cached_prompt_tokens)
+        stats = _stats_view(outputs[0]) if len(outputs) == 1 else [_stats_view(o) for o in outputs]
+        return completion_body(new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, bodies, chat,
+                               usage=total, rasd=stats)
 
     def _piece(self, token: int) -> str:
         """One token's text, as the `logprobs` objects show it."""
         return self.service.target.tokenizer.decode([token])
 
-    async def _sse(self, endpoint: str, prepared: Prepared, chat: bool,
-                   events: AsyncIterator[tuple[str, Any]], body: Any = None) -> AsyncIterator[str]:
+    async def _sse(self, endpoint: str, prepared: Prepared, chat: bool, streams: list[AsyncIterator[tuple[str, Any]]],
+                   body: Any) -> AsyncIterator[str]:
+        """Server-sent chunks of every choice as its blocks are committed (`index` tells them apart), each
+        choice's last chunk with its finish reason, then the usage chunk when asked for, then [DONE]."""
         rid, model = new_id("chatcmpl" if chat else "cmpl"), self.config.model_name
-        text = Detokenizer(self.service.target.tokenizer, prepared.stop)
-        start, first, offset = time.perf_counter(), True, 0
-        include_usage = getattr(body, "include_usage", False)
-        try:
-            async for kind, payload in events:
+        states = [_ChoiceStream(Detokenizer(self.service.target.tokenizer, prepared.stop)) for _ in streams]
+        start, completion, cached = time.perf_counter(), 0, 0
+        async with contextlib.aclosing(_merged(streams)) as merged:   # a client gone: every choice stops
+            async for i, kind, payload in merged:
+                state = states[i]
+                if kind == "error":
+                    self.service.metrics.failed(endpoint, str(payload.status))
+                    yield sse(payload.body())
+                    break
                 if kind == "tokens":
                     tokens = payload.tokens if hasattr(payload, "tokens") else payload
-                    delta = text.push(tokens)
+                    delta = state.text.push(tokens)
                     logprobs = None
                     if getattr(payload, "logprobs", None) is not None:
-                        logprobs = logprobs_body(payload.logprobs, self._piece, chat, offset)
-                        offset += sum(len(self._piece(t)) for t in tokens)
-                    if delta or first or logprobs is not None:
-                        yield sse(chunk_body(rid, model, delta, None, chat, first=first, logprobs=logprobs))
-                        first = False
+                        logprobs = logprobs_body(payload.logprobs, self._piece, chat, state.offset)
+                        state.offset += sum(len(self._piece(t)) for t in tokens)
+                    if delta or state.first or logprobs is not None:
+                        yield sse(chunk_body(rid, model, delta, None, chat, first=state.first, logprobs=logprobs,
+                                             index=i))
+                        state.first = False
                     continue
-                rest = text.finish(payload.text or "")
-                usage_body = _usage(len(prepared.prompt_ids), payload)
-                yield sse(chunk_body(rid, model, rest, FINISH_REASONS[payload.finish_reason], chat,
-                                     usage=usage_body, rasd=_stats_view(payload)))
-                if include_usage:
-                    yield sse(usage_chunk(rid, model, chat, usage_body))
+                rest = state.text.finish(payload.text or "")
+                completion += len(payload.token_ids)
+                cached = payload.stats.cached_prompt_tokens if i == 0 else cached
+                yield sse(chunk_body(rid, model, rest, FINISH_REASONS[payload.finish_reason], chat, first=state.first,
+                                     index=i, usage=_usage(len(prepared.prompt_ids), payload),
+                                     rasd=_stats_view(payload)))
                 self.service.metrics.record(endpoint, payload.stats, time.perf_counter() - start)
-        except ApiError as exc:
-            self.service.metrics.failed(endpoint, str(exc.status))
-            yield sse(exc.body())
+            else:
+                if getattr(body, "include_usage", False):
+                    yield sse(usage_chunk(rid, model, chat, usage(len(prepared.prompt_ids), completion, cached)))
         yield sse("[DONE]")
 
     async def _docqa_stream(self, prepared: Prepared, events: AsyncIterator[tuple[str, Any]]

@@ -32,6 +32,7 @@ class Limits:
     max_document_chars: int = 16_000_000             # characters per document
     max_field_chars: int = 4_096                     # a document's title, source or id; a model or method name
     max_logit_bias: int = 1_024                      # entries of logit_bias
+    max_n: int = 8                                   # choices per request (`n`)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -68,6 +69,8 @@ def check_common(req: Any, limits: Limits) -> None:
         if not stop:
             raise ApiError(400, "a stop string is empty", param=f"stop.{i}")
         _text(stop, f"stop.{i}", limits.max_stop_chars)
+    if req.n > limits.max_n:
+        raise ApiError(400, f"n is {req.n}; the limit is {limits.max_n}", param="n")
     if len(getattr(req, "logit_bias", None) or ()) > limits.max_logit_bias:
         raise ApiError(400, f"logit_bias has {len(req.logit_bias)} entries; the limit is {limits.max_logit_bias}",
                        param="logit_bias")

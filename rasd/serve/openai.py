@@ -64,7 +64,7 @@ class _Request(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, description="choices: decoded as rows of the batch (seeds seed, seed+1, ...)")
     method: str | None = Field(default=None, description="rasd extension: a decoding method (GET /v1/info lists them)")
 
     def stop_list(self) -> list[str]:
@@ -215,22 +215,27 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, chat: bool,
-                    logprobs: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-    """A whole (non-streamed) response."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+def choice_body(index: int, text: str, finish: str | None, chat: bool, logprobs: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    """One choice of a whole (non-streamed) response."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
+    return choice
+
+
+def completion_body(rid: str, model: str, choices: list[dict[str, Any]], chat: bool, **extra: Any) -> dict[str, Any]:
+    """A whole (non-streamed) response."""
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], **extra}
+            "model": model, "choices": choices, **extra}
 
 
 def chunk_body(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
-               logprobs: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-    """One streamed chunk; a chat stream's first chunk carries the role."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+               logprobs: dict[str, Any] | None = None, index: int = 0, **extra: Any) -> dict[str, Any]:
+    """One streamed chunk of choice `index`; a chat stream's first chunk of each choice carries the role."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:

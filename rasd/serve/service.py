@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -256,8 +256,6 @@ class Service:
     def prepare(self, req: Any, prompt_ids: list[int], default_method: str, default_max: int | None,
                 sources: list[Source] | None = None) -> Prepared:
         """Check a request's limits and sampling fields; raises ApiError with the field at fault."""
-        if req.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
         method = req.method or default_method
         self.check_method(method)
         if not prompt_ids:
@@ -403,6 +401,14 @@ class Service:
         except Exception as exc:   # noqa: BLE001 - whatever the filesystem says, the answer was already made
             log.warning("could not save the recycling matrix to %s (%s: %s)", self.recycling_path,
                         type(exc).__name__, exc)
+
+    @staticmethod
+    def choices(p: Prepared, n: int) -> list[Prepared]:
+        """`n` copies of a request, one per choice: each its own row of the batch and its own seed (seed + i
+        when one was given, so a seeded request with n > 1 is reproducible and its choices differ)."""
+        seed = p.sampling.seed
+        return [p if i == 0 else replace(p, sampling=replace(p.sampling, seed=None if seed is None else seed + i))
+                for i in range(n)]
 
     async def run(self, p: Prepared) -> GenerationOutput:
         """Decode to completion (non-streaming requests)."""

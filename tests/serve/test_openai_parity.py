@@ -70,13 +70,16 @@ REFUSED = [   # (path, extra fields, the field the 400 names)
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"n": 9}, "n"),
+    ("/v1/docqa", {"question": "What is a river?", "n": 2}, "n"),
 ]
 
 
 @pytest.mark.parametrize(("path", "extra", "param"), REFUSED, ids=[r[2] for r in REFUSED])
 def test_unsupported_or_invalid_openai_fields_get_400_naming_them(service: dict[str, Any], path: str,
                                                                   extra: dict[str, Any], param: str) -> None:
-    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body = ({"prompt": "hi"} if path == "/v1/completions" else {} if path == "/v1/docqa"
+            else {"messages": [{"role": "user", "content": "hi"}]})
     r = service["client"].post(path, json={**body, "max_tokens": 4, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
@@ -182,3 +185,34 @@ def test_json_schema_answers_validate_and_equal_plain_decoding(service: dict[str
                                                              "temperature": 0, "response_format":
                                                              {"type": "json_object"}})
     assert r.status_code == 200 and isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
+
+
+def test_n_choices_are_rows_of_the_batch_streamed_or_not(service: dict[str, Any]) -> None:
+    c = service["client"]
+    greedy = {"prompt": "The three primary colours are", "max_tokens": 12, "temperature": 0, "n": 3}
+    r = c.post("/v1/completions", json=greedy)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [ch["index"] for ch in choices] == [0, 1, 2] and len({ch["text"] for ch in choices}) == 1
+    one = c.post("/v1/completions", json={**greedy, "n": 1}).json()
+    assert r.json()["usage"]["completion_tokens"] == 3 * one["usage"]["completion_tokens"]
+    # `ar`: a seed fixes the sample path of plain decoding; a speculative method consumes random numbers per
+    # draft candidate, so its samples are exact in distribution (tests/decoding) but depend on the trees
+    sampled = {**greedy, "temperature": 1.0, "seed": 7, "n": 2, "max_tokens": 16, "method": "ar"}
+    a, b = c.post("/v1/completions", json=sampled).json(), c.post("/v1/completions", json=sampled).json()
+    assert [ch["text"] for ch in a["choices"]] == [ch["text"] for ch in b["choices"]], "seeded: reproducible"
+    first = c.post("/v1/completions", json={**sampled, "n": 1}).json()
+    assert a["choices"][0]["text"] == first["choices"][0]["text"], "choice 0 is the request with n = 1"
+    with c.stream("POST", "/v1/completions", json={**sampled, "stream": True,
+                                                  "stream_options": {"include_usage": True}}) as s:
+        events = sse_events(s)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    assert events[-2]["usage"]["completion_tokens"] == a["usage"]["completion_tokens"]
+    texts = {0: "", 1: ""}
+    finished = set()
+    for chunk in events[:-2]:
+        choice = chunk["choices"][0]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finished.add(choice["index"])
+    assert finished == {0, 1} and [texts[0], texts[1]] == [ch["text"] for ch in a["choices"]]

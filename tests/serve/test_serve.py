@@ -216,7 +216,7 @@ def test_bad_requests_get_openai_style_errors(service: dict[str, Any]) -> None:
         ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
-        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "n": 9}, 400, "n"),                               # more choices than the limit
         ({"prompt": "hi", "method": "magic"}, 400, "method"),
         ({"prompt": "hi", "method": "draft"}, 400, "method"),              # no --draft-model
         ({"prompt": ""}, 400, "prompt"),
