@@ -181,13 +181,25 @@ def _resolve_embedder(manifest: dict[str, Any], embedder: str | None) -> Any:
     return load_embedder(expected)
 
 
+IDEMPOTENCY_KEEP = 10_000   # idempotency records kept in the manifest (oldest dropped first)
+
+
+def idempotency_record(path: str | Path, key: str) -> dict[str, Any] | None:
+    """What the batch sent with idempotency `key` (a hash) added, if one was committed: {"body", "added",
+    "nonce", "segment"}."""
+    return read_manifest(Path(path)).get("idempotency", {}).get(key)
+
+
 def add_documents(path: str | Path, paths: Sources, model: str | None = None, embedder: str | None = None,
                   progress: bool = False, run_torch: RunTorch | None = None,
-                  lock_timeout_s: float | None = None) -> Index:
+                  lock_timeout_s: float | None = None, idempotency: dict[str, str] | None = None) -> Index:
     """Append documents as a new segment (no rebuild); ids continue after the existing ones.
 
     `run_torch`: where embedding runs, in slices (a service's compute thread); `lock_timeout_s`: how long to
-    wait for another writer before `LockTimeout` (None: as long as it takes)."""
+    wait for another writer before `LockTimeout` (None: as long as it takes). `idempotency` ({"key", "body",
+    "nonce"}): recorded in the same manifest commit as the segment, and when the key is already recorded
+    nothing is written: a batch is added once however often it is sent, and a crash before the commit
+    records nothing (the retry adds it)."""
     root = Path(path)
     manifest = read_manifest(root)
     docs = load_documents(paths)
@@ -199,6 +211,8 @@ def add_documents(path: str | Path, paths: Sources, model: str | None = None, em
         manifest = read_manifest(root)           # the committed state under the lock
         if manifest["chunking"] != data_chunking or manifest["tokenizer"] != data_tokenizer:
             raise IndexInputError(f"{root}: the index was rebuilt while documents were being added; add again")
+        if idempotency is not None and idempotency["key"] in manifest.get("idempotency", {}):
+            return Index.open(root)              # another attempt with this key committed first
         cleanup_leftovers(root, manifest)
         last = manifest["segments"][-1] if manifest["segments"] else None
         doc_start = last["doc_id_start"] + last["num_documents"] if last else 0
@@ -206,6 +220,11 @@ def add_documents(path: str | Path, paths: Sources, model: str | None = None, em
         data = with_id_starts(data, doc_start, chunk_start)
         entry = write_segment(root, _next_segment_name(manifest), data, manifest["faiss"])
         manifest["segments"] = manifest["segments"] + [entry]
+        if idempotency is not None:
+            records = dict(manifest.get("idempotency", {}))
+            records[idempotency["key"]] = {"body": idempotency["body"], "nonce": idempotency["nonce"],
+                                           "added": len(docs), "segment": entry["name"]}
+            manifest["idempotency"] = dict(list(records.items())[-IDEMPOTENCY_KEEP:])
         commit_manifest(root, manifest)
         crash_point("committed")
     return Index.open(root)

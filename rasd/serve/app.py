@@ -262,10 +262,14 @@ class RasdServer:
                 "rasd": _docqa_stats(output), "plain_decoding": _plain_view(output.plain_step_s)}
 
     @api.post("/v1/documents")
-    async def documents(self, body: DocumentsRequest) -> dict[str, Any]:
+    async def documents(self, body: DocumentsRequest, request: Request) -> dict[str, Any]:
         check_documents(body, self.limits)
+        key = request.headers.get("idempotency-key")
+        if key is not None and not 1 <= len(key) <= 255:
+            raise ApiError(400, "Idempotency-Key must have 1 to 255 characters", param="Idempotency-Key")
         try:
-            return await asyncio.to_thread(self.service.add_documents, [d.model_dump() for d in body.documents])
+            return await asyncio.to_thread(self.service.add_documents, [d.model_dump() for d in body.documents],
+                                           key)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="documents") from exc
 

@@ -435,13 +435,17 @@ class Service:
         return None if self.drafts is None else self.drafts.stats()
 
     # ------------------------------------------------------------------ documents
-    def add_documents(self, docs: list[dict[str, Any]]) -> dict[str, Any]:
+    def add_documents(self, docs: list[dict[str, Any]], idempotency_key: str | None = None) -> dict[str, Any]:
         """Append documents as a new index segment (durable when this returns), then serve from it.
 
         Called on a worker thread, never the compute thread: tokenizing, chunking, suffix arrays and the
         segment's files happen here, beside decoding; only the embedding (torch) goes to the compute thread,
         EMBED_SLICE chunks at a time, so running streams keep getting tokens between slices. Another writer
         holding the index's lock for over INGEST_LOCK_TIMEOUT_S is a 503, not a request that never ends.
+
+        `idempotency_key` (the `Idempotency-Key` header): the batch is added once however often it is sent, by
+        whichever replica or process (the key is recorded in the index's manifest with the segment); a replay
+        answers what the first attempt added, with `"replayed": true`; the key with another body is a 422.
         """
         from rasd.fsio import LockTimeout
         from rasd.index.documents import Document
@@ -451,13 +455,19 @@ class Service:
             raise ApiError(400, "this service has no index; start it with --index", param="documents")
         documents = [Document(text=d["text"], title=d.get("title", ""), source=d.get("source", ""),
                               external_id=d.get("id")) for d in docs]
+        claim = None if idempotency_key is None else idempotency_claim(idempotency_key, docs)
         with self._ingest_lock:
             before = self.index.num_documents
+            if claim is not None and (replay := self._replay(claim)) is not None:
+                return replay
             try:
                 index = add_documents(self.index.root, documents, model=self.config.model,
-                                      run_torch=self.compute.run, lock_timeout_s=INGEST_LOCK_TIMEOUT_S)
+                                      run_torch=self.compute.run, lock_timeout_s=INGEST_LOCK_TIMEOUT_S,
+                                      idempotency=claim)
             except LockTimeout as exc:
                 raise ApiError(503, str(exc), "service_unavailable") from exc
+            if claim is not None and (replay := self._replay(claim)) is not None:
+                return replay                        # another process committed this key while we embedded
             if hasattr(self.index, "refresh"):      # sharded: the shards reopen the new committed state
                 self.index.refresh()
                 index = self.index
@@ -466,6 +476,20 @@ class Service:
                 self.verifier.refresh_index()
         return {"added": index.num_documents - before, "num_documents": index.num_documents,
                 "num_chunks": index.num_chunks}
+
+    def _replay(self, claim: dict[str, str]) -> dict[str, Any] | None:
+        """The answer to an already committed idempotency key (None: not committed, or committed by us now)."""
+        from rasd.index.store import Index
+        from rasd.index.writer import idempotency_record
+
+        record = idempotency_record(self.index.root, claim["key"])
+        if record is None or record["nonce"] == claim["nonce"]:
+            return None
+        if record["body"] != claim["body"]:
+            raise ApiError(422, "this Idempotency-Key was used with other documents", param="Idempotency-Key")
+        index = Index.open(self.index.root)
+        return {"added": record["added"], "num_documents": index.num_documents, "num_chunks": index.num_chunks,
+                "replayed": True}
 
     def close(self) -> None:
         """Replica shutdown: stop the scheduler, keep what was recycled for the next start."""
@@ -478,6 +502,17 @@ class Service:
         if self.drafts is not None:
             self.drafts.close()
         self.save_recycling_quietly()   # a read-only home must not turn a clean shutdown into a crash
+
+
+def idempotency_claim(key: str, docs: list[dict[str, Any]]) -> dict[str, str]:
+    """What a write with this key records: hashes of the key and of the documents, and a nonce of this attempt."""
+    import hashlib
+    import json
+    import secrets
+
+    body = hashlib.sha256(json.dumps(docs, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    return {"key": hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest(), "body": body.hexdigest(),
+            "nonce": secrets.token_hex(8)}
 
 
 def manifest_stamp(index: str | None) -> tuple[int, int, int] | None:

@@ -502,3 +502,20 @@ def test_the_writer_lock_waits_at_most_its_timeout(tmp_path: Path) -> None:
     thread.join(5)
     with writer_lock(tmp_path, timeout_s=0.3):     # free again: taken at once
         pass
+
+
+def test_an_idempotency_key_adds_a_batch_once_and_survives_compaction(tiny_tok: str, tmp_path: Path) -> None:
+    from rasd.index.writer import idempotency_record
+
+    docs = topic_documents()
+    root = tmp_path / "idx"
+    build_index(docs[:2], root, model=tiny_tok, chunk_tokens=24, overlap=6)
+    claim = {"key": "k1", "body": "b1", "nonce": "first"}
+    assert add_documents(root, docs[2:4], idempotency=claim).num_documents == 4
+    again = add_documents(root, docs[2:4], idempotency={**claim, "nonce": "second"})
+    assert again.num_documents == 4, "the same key never adds twice"
+    assert idempotency_record(root, "k1") == {"body": "b1", "nonce": "first", "added": 2,
+                                              "segment": again.segments[-1].name}
+    assert compact_index(root).num_documents == 4
+    assert idempotency_record(root, "k1")["added"] == 2, "kept across a compaction"
+    assert add_documents(root, docs[4:5], idempotency={"key": "k2", "body": "b", "nonce": "x"}).num_documents == 5

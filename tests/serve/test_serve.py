@@ -281,6 +281,21 @@ def test_ingested_documents_are_retrieved_and_durable(service: dict[str, Any]) -
         assert info.value.status == 400
 
 
+def test_an_ingest_retried_with_its_idempotency_key_adds_once(service: dict[str, Any]) -> None:
+    c = service["client"]
+    docs = {"documents": [{"title": "Axolotls", "text": "The axolotl is a salamander that keeps its gills."}]}
+    first = c.post("/v1/documents", json=docs, headers={"Idempotency-Key": "ingest-axolotl-1"})
+    assert first.status_code == 200 and first.json()["added"] == 1, first.text
+    again = c.post("/v1/documents", json=docs, headers={"Idempotency-Key": "ingest-axolotl-1"})
+    assert again.status_code == 200 and again.json()["replayed"] is True and again.json()["added"] == 1
+    assert again.json()["num_documents"] == first.json()["num_documents"], "a retry never adds twice"
+    other = c.post("/v1/documents", json={"documents": [{"text": "something else"}]},
+                   headers={"Idempotency-Key": "ingest-axolotl-1"})
+    assert other.status_code == 422 and other.json()["error"]["param"] == "Idempotency-Key"
+    long_key = c.post("/v1/documents", json=docs, headers={"Idempotency-Key": "k" * 256})
+    assert long_key.status_code == 400
+
+
 def test_changes_by_another_writer_are_served_at_the_next_request(service: dict[str, Any]) -> None:
     """A CLI-style `add` and then `compact` on the index folder, behind the replica's back: the next request
     sees the new document, and nothing reads a segment folder the compaction removed."""
