@@ -57,6 +57,7 @@ class ServeConfig:
     max_batch: int = 8                    # requests decoded together (one shared forward per step)
     prefill_chunk: int = 0                # > 0: a joining request is prefilled this many tokens per step
     prefix_cache_mb: int = 256            # K/V of prompt prefixes kept for later requests (0: off)
+    warm_methods: bool = True             # decode a few tokens of every method at start (`Service._warm_methods`)
     max_waiting: int = 16                 # queued beyond the batch; more gets 429
     max_tokens_limit: int = 1024          # the largest max_tokens a request may ask for
     max_prompt_tokens: int | None = None  # default: the model's context minus room for one token
@@ -161,6 +162,29 @@ class Service:
             with torch.inference_mode():
                 ids = torch.tensor([self.encode_text("Warm up.")], device=self.target.model.device)
                 self.target.model(input_ids=ids)
+            if self.scheduler is not None and self.config.warm_methods:
+                self._warm_methods()
+
+    def _warm_methods(self) -> None:
+        """A few tokens of every method this service can run, at a chat-sized and a document-QA-sized prompt,
+        so no request pays a method's first-time set-up (the cost curves of those context lengths, measured
+        once per machine and cached; datastores; the recycling matrix; kernels)."""
+        chat = (self.encode_chat([{"role": "user", "content": "Say hello."}])
+                if has_chat_template(self.target.tokenizer) else self.encode_text("Say hello."))
+        docqa = self.docqa_prompt("How do I use this?", 4, 16)[0] if self.index is not None else None
+        for method in METHODS:
+            try:
+                method_spec(method).check(self.config.model, self.config.draft_model,
+                                          has_index=self.index is not None)
+            except ValueError:
+                continue                       # refused with a 400 anyway (untrained, no draft model)
+            long = method == self.config.docqa_method and docqa is not None
+            for ids in [chat, docqa] if long else [chat]:
+                prepared = Prepared(ids, method, 4, SamplingParams(), [])
+                stream = self._stream_for(prepared)
+                for _ in stream:
+                    pass
+                finish_draft(stream)
 
     def check_capacity(self) -> None:
         """429 before a request costs any work (tokenizing, vector search, building its decoder) when the
