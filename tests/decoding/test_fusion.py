@@ -37,7 +37,7 @@ from tests.decoding.test_sampling_exact import (
     emitted,
     exact_joint,
 )
-from tests.helpers import hf_greedy, pooled_chisquare, tiny_llama
+from tests.helpers import hf_greedy, pooled_chisquare, random_prompt, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -288,3 +288,17 @@ def test_rasd_sampling_exact_at_temperature_one_with_pruning() -> None:
         pruned += out.stats.pruned_nodes
     assert pruned > 0
     check_against_exact(counts, joint, "rasd T=1 pruned")
+
+
+def test_a_draft_model_leaves_room_for_the_requests_own_text() -> None:
+    """With a draft model on, context matches still reach the tree: the draft takes at most half the budget
+    while the copying sources have candidates (it used to take all of it, and `rasd` with a draft offered a
+    tenth of the context matches `pld` did)."""
+    model = tiny_llama(0)
+    head = random_prompt(20, 3)
+    context = head + head[:6]                                   # the last tokens occurred before: a context match
+    proposer = make_proposer("rasd", model, draft_options={"top_k": 2, "width": 4, "min_prob": 0.0})
+    proposer.start(context, SamplingParams())
+    tree = proposer.propose(context, 8)
+    assert "context" in tree.sources and "draft" in tree.sources, tree.sources
+    assert len(tree) <= 9
