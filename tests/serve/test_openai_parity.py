@@ -216,3 +216,31 @@ def test_n_choices_are_rows_of_the_batch_streamed_or_not(service: dict[str, Any]
         if choice["finish_reason"]:
             finished.add(choice["index"])
     assert finished == {0, 1} and [texts[0], texts[1]] == [ch["text"] for ch in a["choices"]]
+
+
+HOSTILE_VALUES = [None, True, -1, 10**30, float("nan"), float("inf"), "", "\ud800", "x" * 5000, {"a": [[None]]}]
+FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+          "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs",
+          "response_format", "stream_options", "method", "tools", "messages", "user"]
+
+
+def test_every_field_with_hostile_values_never_gets_a_500(service: dict[str, Any]) -> None:
+    """Wrong types, huge numbers, NaN, infinity, lone surrogates, empty and nested values in every field of a
+    chat request, streamed or not: a 4xx naming the problem, or an answer; never a 5xx; a stream ends with
+    [DONE]."""
+    seen: dict[int, int] = {}
+    for f, field in enumerate(FIELDS):
+        for v, value in enumerate(HOSTILE_VALUES):
+            stream = (f + v) % 2 == 1
+            base = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+                    "stream": stream}
+            raw = json.dumps({**base, field: value}, allow_nan=True)
+            r = service["client"].post("/v1/chat/completions", content=raw.encode(),
+                                       headers={"content-type": "application/json"})
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (field, repr(value)[:40], r.text[:300])
+            if r.status_code >= 400:
+                assert r.json()["error"]["message"], (field, value)
+            elif stream and r.headers["content-type"].startswith("text/event-stream"):
+                assert r.text.rstrip().endswith("data: [DONE]"), (field, repr(value)[:40])
+    assert seen.get(400, 0) > len(FIELDS) * 4, seen
