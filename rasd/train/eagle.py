@@ -454,7 +454,8 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
                        args.cls_weight, args.seed, checkpoint=checkpoint, ttt=args.ttt)
     train_s = time.perf_counter() - t1
     after = depth_agreement(head, eval_seqs, eval_feats, eval_valid, windows.shape[1])
-    covered = float(torch.isin(eval_seqs[:, windows.shape[1]:], vocab).float().mean()) if vocab is not None else 1.0
+    used = head.vocab   # with --init, the initial head's vocabulary, not the one this data's counts would pick
+    covered = float(torch.isin(eval_seqs[:, windows.shape[1]:], used).float().mean()) if used is not None else 1.0
     report = {"model": args.model, "data": args.data, "sequences": len(seqs), "seq_len": args.seq_len,
               "train_tokens": tokens, "steps": steps, "batch": args.batch, "lr": args.lr, "noise": args.noise,
               "cls_weight": args.cls_weight, "regenerate": regen, "ttt": args.ttt,
