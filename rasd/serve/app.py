@@ -115,6 +115,19 @@ async def _admitted(events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[tup
     return replay()
 
 
+async def _all_choices(runs: list[Any]) -> list[Any]:
+    """Every choice's output; one failing cancels the others and its own error is raised (a 429 stays a 429:
+    a TaskGroup would wrap it in an ExceptionGroup, which no handler turns into an HTTP status)."""
+    if len(runs) == 1:
+        return [await runs[0]]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(run) for run in runs]
+    except ExceptionGroup as errors:
+        raise errors.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
 @dataclass
 class _ChoiceStream:
     """One choice's text and log-probability offset while its chunks are streamed."""
@@ -282,9 +295,7 @@ class RasdServer:
             return StreamingResponse(self._sse(endpoint, prepared, chat, events, body),
                                      media_type="text/event-stream")
         start = time.perf_counter()
-        async with asyncio.TaskGroup() as group:   # one failing choice cancels the others
-            tasks = [group.create_task(self.service.run(p)) for p in choices]
-        outputs = [t.result() for t in tasks]
+        outputs = await _all_choices([self.service.run(p) for p in choices])
         bodies = []
         for i, output in enumerate(outputs):
             self.service.metrics.record(endpoint, output.stats, time.perf_counter() - start)

@@ -216,6 +216,9 @@ def test_n_choices_are_rows_of_the_batch_streamed_or_not(service: dict[str, Any]
         if choice["finish_reason"]:
             finished.add(choice["index"])
     assert finished == {0, 1} and [texts[0], texts[1]] == [ch["text"] for ch in a["choices"]]
+    # more choices than the service holds (batch 4 + 1 waiting): a real 429, never a 500
+    full = c.post("/v1/completions", json={**greedy, "n": 8, "max_tokens": 24})
+    assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error", full.text
 
 
 HOSTILE_VALUES = [None, True, -1, 10**30, float("nan"), float("inf"), "", "\ud800", "x" * 5000, {"a": [[None]]}]
