@@ -165,12 +165,12 @@ def test_sampling_under_a_grammar_is_exact(loaded: Any, method: str) -> None:
     params = SamplingParams(temperature=1.0, grammar=grammar)
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0
-    for i in range(500):
+    for i in range(320):
         out = dec.generate(prompt, 5, sampling=replace(params, seed=2 * i), eos_token_ids={eos})
         counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
         accepted += out.stats.num_accepted_tokens
     assert set(counts) <= set(exact), f"sampled outputs plain decoding never writes: {set(counts) - set(exact)}"
     keys = sorted(exact)
     p = pooled_chisquare(np.array([counts.get(k, 0) for k in keys], float), np.array([exact[k] for k in keys]))
-    assert accepted > 50, f"{method}: {accepted} drafts accepted; the test needs them to have power"
+    assert accepted > 30, f"{method}: {accepted} drafts accepted; the test needs them to have power"
     assert p > 1e-3, f"{method}: p = {p:.3g}"
