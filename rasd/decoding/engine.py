@@ -17,6 +17,7 @@ import torch
 from rasd.decoding import fast_forward
 from rasd.decoding.cache import TreeCache, cache_kwargs
 from rasd.decoding.features import row_features, shared_tap
+from rasd.decoding.history import ResponseHistory
 from rasd.decoding.kernels import fast_kernels, install
 from rasd.decoding.logits import LogitsProcessors
 from rasd.decoding.proposers import Proposer, RecyclingMatrix
@@ -356,6 +357,7 @@ class GenerationStream:
 
     def finish(self) -> GenerationOutput:
         """Close the statistics and build the output (called once the loop ends)."""
+        self._remember()
         stats = self.stats
         stats.new_tokens = len(self.generated)
         stats.finish_reason = self.reason or "length"
@@ -365,6 +367,14 @@ class GenerationStream:
                                        token_sources=list(self.token_sources), plain_step_s=self.plain_step_s,
                                        logprobs=None if self.token_logprobs is None else list(self.token_logprobs))
         return self.output
+
+    def _remember(self) -> None:
+        """A request that ended normally (EOS, stop, length) joins its proposer's response history, if it has
+        one: the next similar question drafts from this answer (SuffixDecoding). Abandoned requests never get
+        here (`close` ends the loop before `finish`)."""
+        history = getattr(self.decoder.proposer, "history", None)
+        if isinstance(history, ResponseHistory) and self.reason is not None and self.generated:
+            history.add(self.prompt_ids[-history.prompt_tail:] if history.prompt_tail else [], self.generated)
 
     def _text(self, generated: list[int]) -> str | None:
         tok = self.decoder.tokenizer
@@ -384,12 +394,15 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
     `thompson` or `ldlp` (a trained predictor: option `ldlp=` or $RASD_HOME/ldlp/). What a method needs and
     the options cost sizing gives it come from its `MethodSpec` (`proposers.registry`). `datastores` (token
     suffix arrays) feed the methods that use the index; methods that read the target's Token Recycling
-    matrix get the shared one passed as `recycling=` (hot start), else their own, empty one. `heartbeat`: called
-    while a cost curve is measured on first use (a scheduler's stall detector).
+    matrix get the shared one passed as `recycling=` (hot start), else their own, empty one; likewise methods
+    that draft from earlier responses get `history=` (a `ResponseHistory`; `history=False` turns it off).
+    `heartbeat`: called while a cost curve is measured on first use (a scheduler's stall detector).
     """
     spec = method_spec(method)
     if spec.uses_recycling:
         proposer_options.setdefault("recycling", RecyclingMatrix(vocab_size(target.model)))
+    if spec.uses_history:   # the caller's shared history (a service keeps one per index), else an empty one
+        proposer_options.setdefault("history", ResponseHistory())
     curve_for = _curve_provider(target, heartbeat)   # lazy: nothing is measured unless a policy asks for the curve
     drafter = spec.ldlp_drafter(None if draft is None else draft.name)
     setup = DecoderSetup(target, draft, sizing, proposer_options, curve_for)

@@ -14,6 +14,13 @@ probability source that prunes retrieval branches (`prune_with="recycling"`). Wi
 recycling matrix the retrieval branches are pruned by retrieval counts alone, unless a `probs_fn` (any
 `context -> next-token probabilities [vocab]`) is given.
 
+A fifth source is the response history (`history`, SuffixDecoding, arXiv 2411.04975): earlier answers of
+this service, looked up by the context's longest suffix (`SuffixProposer.candidate_tree`, tagged "history",
+sized by SuffixDecoding's match-length and probability rules). It is fused right after the request's own text
+and before the datastore: a long match there is an earlier answer to the same question being repeated, more
+specific than a match in the whole index, while the request's own text stays first (it is what the answer
+quotes). The engine adds every finished response to `self.history`.
+
 The draft may run elsewhere: `draft_proposer=` takes an already-built draft proposer, such as a
 `RemoteDraft` whose model lives in a `DraftWorker` Ray actor; when it answers "no draft" (worker down or
 late), the step goes on with the retrieval and recycled trees, pruned by counts.
@@ -33,12 +40,14 @@ from rasd.decoding.fusion import ProbsFn, PruneConfig, fuse, merge_trees, prune
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.recycling import RecyclingMatrix, RecyclingProposer
 from rasd.decoding.proposers.retrieval import CONTEXT, RetrievalProposer, match_class
+from rasd.decoding.proposers.suffix import SuffixProposer
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict
 
 if TYPE_CHECKING:   # the index package may pull in heavy deps (FAISS); import it lazily
+    from rasd.decoding.history import ResponseHistory
     from rasd.index.suffix_array import SuffixArray
 
 
@@ -52,8 +61,13 @@ class RasdProposer:
                  draft_options: dict[str, Any] | None = None, recycling: RecyclingMatrix | None = None,
                  recycling_options: dict[str, Any] | None = None, prune_with: str = "auto",
                  recycle_when: str = "fallback", flat_curve: Callable[[int], bool] | None = None,
-                 draft_proposer: Any = None, gate: DraftGate | None = None, **retrieval_options: Any):
+                 draft_proposer: Any = None, gate: DraftGate | None = None,
+                 history: ResponseHistory | None = None, history_options: dict[str, Any] | None = None,
+                 **retrieval_options: Any):
         self.retrieval = RetrievalProposer(datastores, **retrieval_options)
+        self.history = history   # the engine adds each finished response here (`GenerationStream.finish`)
+        self.from_history = (None if history is None
+                             else SuffixProposer(history, use_context=False, **(history_options or {})))
         self.draft = self._make_draft(draft_model, draft_proposer, draft_options)
         self.recycling = None if recycling is None else RecyclingProposer(recycling, **(recycling_options or {}))
         if recycle_when not in ("fallback", "always", "auto"):
@@ -132,24 +146,36 @@ class RasdProposer:
         trees = self.retrieval.candidate_trees(context, max_nodes)
         own = [t for t in trees if t.sources[1] == CONTEXT]
         retrieved = merge_trees(context[-1], [t for t in trees if t.sources[1] != CONTEXT], max_nodes)
+        earlier = self._history_trees(context, max_nodes)
+        trees = trees + earlier   # a history match counts as a match (gate, recycling fallback, bucket)
         use_draft = self.draft is not None and (self.gate is None or self.gate.choose(len(context),
                                                                                      self._gate_bucket(trees)))
         probs = (self.probs_fn(context) if self.probs_fn is not None and retrieved.num_draft_tokens
                  and (use_draft or not self._probs_from_draft) else None)
         kept, pruned = prune(retrieved, probs, self.prune_config)
         # room for the copying sources (the request's own text, then the index) before the draft fills the budget
-        reserved = sum(t.num_draft_tokens for t in own) + kept.num_draft_tokens
+        reserved = sum(t.num_draft_tokens for t in (*own, *earlier)) + kept.num_draft_tokens
         tree = self._draft_tree(context, max_nodes, reserved, use_draft)
         # The request's own text (prompt + output) goes in before the datastore: in document QA the cited
         # chunks are in the prompt and small models repeat their own phrasing, so it is the best-accepted
         # source (measured on LongBench QA rows); retrieval branches, pruned, fill the remaining budget.
         # Recycled guesses come last: they exist at every step, but are less often right than a long match.
         recycled = [self.recycling.propose(context, max_nodes)] if self._recycle(context, trees) else []
-        for part in (*own, kept, *recycled):
+        # the longer of the two copying matches first (the request's own text on a tie), as retrieval orders its
+        # sources: a long history match is an earlier answer being repeated, a 1-token one is noise
+        copying = sorted((*own, *earlier), key=lambda t: -t.bucket)
+        for part in (*copying, kept, *recycled):
             tree = fuse(tree, part, max_nodes)
         tree.bucket = match_class(max((t.bucket for t in trees), default=0))
         tree.pruned = pruned
         return tree
+
+    def _history_trees(self, context: list[int], max_nodes: int) -> list[DraftTree]:
+        """The response history's tree, as a list: empty without a history or a match."""
+        if self.from_history is None:
+            return []
+        tree = self.from_history.candidate_tree(context, max_nodes)
+        return [tree] if tree.num_draft_tokens else []
 
     def _gate_bucket(self, trees: list[DraftTree]) -> int:
         """The gate's context: retrieval found nothing / a short match (< 4 tokens) / a long one."""

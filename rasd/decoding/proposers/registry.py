@@ -20,6 +20,7 @@ from rasd.decoding.proposers.pld import PromptLookupProposer
 from rasd.decoding.proposers.rasd import RasdProposer
 from rasd.decoding.proposers.recycling import RecyclingProposer
 from rasd.decoding.proposers.retrieval import RetrievalProposer
+from rasd.decoding.proposers.suffix import SuffixProposer
 from rasd.paths import eesd_path, ldlp_path
 
 # How a method uses a draft model (the target's own early-exit layers count as one, the "self-draft"):
@@ -34,13 +35,15 @@ HEAD = "head"                # the target's trained EAGLE head (shipped for the 
 @dataclass
 class ProposerInputs:
     """What `build` gets: the draft model (an nn.Module), the index's token suffix arrays, the target's
-    shared recycling matrix, the target itself (self-drafts), and the method's options."""
+    shared recycling matrix, the target itself (self-drafts), the method's options, and the response history
+    (earlier answers, `decoding.history`; None or False: none)."""
 
     draft_model: Any = None
     datastores: list[Any] | None = None
     recycling: Any = None
     target_model: Any = None
     options: dict[str, Any] = field(default_factory=dict)
+    history: Any = None
 
 
 @dataclass
@@ -64,6 +67,7 @@ class MethodSpec:
     draft: str = NO_DRAFT
     uses_index: bool = False          # drafts from the index's suffix arrays (the service needs --index)
     uses_recycling: bool = False      # reads the target's Token Recycling matrix
+    uses_history: bool = False        # drafts from earlier responses (a `ResponseHistory`; `history=False`: off)
     gate_block: int | None = None     # with cost sizing, a DraftGate decides per step whether drafting pays
     needs_ldlp: bool = False          # a trained draft-length predictor (AdaEAGLE)
     speculates: bool = True           # False: plain decoding (a tree of the root alone)
@@ -127,6 +131,18 @@ def _build_recycling(inputs: ProposerInputs) -> Proposer:
     if inputs.recycling is None:
         raise ValueError("method 'recycling' needs the target's recycling matrix (build_decoder makes one)")
     return RecyclingProposer(inputs.recycling, **inputs.options)
+
+
+def _history(inputs: ProposerInputs) -> Any:
+    """The response history, None when the caller turned it off (`history=False`) or gave none."""
+    return None if inputs.history is False else inputs.history
+
+
+def _build_suffix(inputs: ProposerInputs) -> Proposer:
+    history = _history(inputs)
+    if history is None:
+        raise ValueError("method 'suffix' needs a response history (build_decoder makes an empty one)")
+    return SuffixProposer(history, **inputs.options)
 
 
 def _self_draft_target(name: str, inputs: ProposerInputs) -> Any:
@@ -252,9 +268,11 @@ _SPECS = (
     MethodSpec("recycling", "Token Recycling: a tree grown from the target's own earlier top-k (adjacency matrix)",
                _build_recycling, uses_recycling=True),
     MethodSpec("rasd", "RASD: retrieval tree pruned by the draft, fused with it and recycled tokens",
-               lambda i: RasdProposer(i.datastores, draft_model=i.draft_model, recycling=i.recycling, **i.options),
-               draft=OPTIONAL_DRAFT, uses_index=True, uses_recycling=True, gate_block=4, configure=_configure_rasd,
-               remote_draft=True),
+               lambda i: RasdProposer(i.datastores, draft_model=i.draft_model, recycling=i.recycling,
+                                      history=_history(i), **i.options),
+               draft=OPTIONAL_DRAFT, uses_index=True, uses_recycling=True, uses_history=True, gate_block=4,
+               configure=_configure_rasd, remote_draft=True),
+    MethodSpec("suffix", "SuffixDecoding: drafts from earlier responses", _build_suffix, uses_history=True),
     MethodSpec("eagle", "EAGLE-2: dynamic draft trees from the target's trained feature-level head",
                _build_eagle, draft=HEAD, gate_block=8, configure=_configure_head),
     MethodSpec("eesd", "EESD: the target's first layers + a trained exit layer, Thompson-sampled length",
@@ -275,8 +293,8 @@ def method_spec(name: str) -> MethodSpec:
 
 
 def make_proposer(method: str, draft_model: Any = None, datastores: list[Any] | None = None,
-                  recycling: Any = None, target_model: Any = None, **options: Any) -> Proposer:
+                  recycling: Any = None, target_model: Any = None, history: Any = None, **options: Any) -> Proposer:
     """Build the proposer for a method name (see `ProposerInputs` for the arguments); a clear ValueError
-    for unknown names or a missing draft model / recycling matrix / target."""
-    inputs = ProposerInputs(draft_model, datastores, recycling, target_model, options)
+    for unknown names or a missing draft model / recycling matrix / target / response history."""
+    inputs = ProposerInputs(draft_model, datastores, recycling, target_model, options, history)
     return method_spec(method).build(inputs)
