@@ -10,6 +10,7 @@ const SOURCES = {
   draft: { color: "#e4bdf2", label: "draft model" },
   eagle: { color: "#f2c4d8", label: "EAGLE head (the target's draft head)" },
   recycling: { color: "#a6e4dc", label: "token recycling" },
+  history: { color: "#f5e3a1", label: "history (earlier answers)" },
   bonus: { color: "#e3e6eb", label: "target model (bonus token)" },
   prefill: { color: "#cfd4da", label: "target model (first token, prefill)" },
 };
