@@ -290,3 +290,25 @@ def test_suffix_sampling_is_exact() -> None:
     print(f"history tokens accepted: {accepted}")
     assert accepted > 200, "too few history acceptances to test anything"
     check_against_exact(counts, joint, "suffix T=1")
+
+
+def test_a_batch_shares_one_history_and_remembers_its_answers() -> None:
+    """Two requests decoded in one batch, drafting from one history: the repeated question is drafted from it,
+    both stay HF greedy, and both answers are remembered when they finish."""
+    from rasd.decoding.batch import BatchDecoder
+
+    model, prompt, ref, history = repeated_question(0, 30)
+    other = random_prompt(20, 90)
+    batch = BatchDecoder(model)
+    streams = [SpeculativeDecoder(model, make_proposer("suffix", history=history), sizer=FixedSizer(16)).stream(p, 30)
+               for p in (prompt, other)]
+    for stream in streams:
+        batch.add(stream)
+    while len(batch):
+        batch.step()
+    outs = [stream.output for stream in streams]
+    assert outs[0] is not None and outs[1] is not None
+    assert_greedy_equal(model, prompt, outs[0].token_ids, ref, label="repeat")
+    assert_greedy_equal(model, other, outs[1].token_ids, hf_greedy(model, other, 30), label="other")
+    assert outs[0].stats.accepted_by_source[HISTORY] > 10
+    assert sorted(weight for _, weight in stored(history)) == [1, 2], "the repeat counted twice, the other added"

@@ -11,7 +11,8 @@ from rasd.decoding.proposers.rasd import RasdProposer
 from rasd.decoding.proposers.recycling import RecyclingMatrix, RecyclingProposer
 from rasd.decoding.proposers.registry import METHODS, MethodSpec, make_proposer, method_spec
 from rasd.decoding.proposers.retrieval import RetrievalProposer
+from rasd.decoding.proposers.suffix import SuffixProposer
 
 __all__ = ["METHODS", "DraftModelProposer", "MethodSpec", "NoDraftProposer", "PromptLookupProposer", "Proposer",
-           "RasdProposer", "RecyclingMatrix", "RecyclingProposer", "RetrievalProposer", "make_proposer",
-           "method_spec"]
+           "RasdProposer", "RecyclingMatrix", "RecyclingProposer", "RetrievalProposer", "SuffixProposer",
+           "make_proposer", "method_spec"]
