@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     from rasd.apps import docqa
-    from rasd.eval import bench, fault, load
+    from rasd.eval import bench, fault, ingest_check, load
     from rasd.index import cli as index_cli
     from rasd.serve import options as serve_options
 
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_options.register(sub)
     load.register(sub)
     fault.register(sub)
+    ingest_check.register(sub)
     _add_train(sub)
     return parser
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import secrets
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from rasd.fsio import LOCK_NAME, crash_point, fsync_dir, writer_lock
 from rasd.index.chunking import load_tokenizer, tokenize_documents, tokenizer_fingerprint
@@ -77,22 +79,40 @@ def _next_segment_name(manifest: dict[str, Any]) -> str:
     return name
 
 
-# Chunks embedded per call when the torch work is handed to another thread (`run_torch`): a service's compute
-# thread runs decoding steps between calls, so a large ingest never stops streams for more than one slice.
-EMBED_SLICE = 16
+# Seconds of embedding per slice when the torch work is handed to another thread (`run_torch`): a service's
+# compute thread runs decoding steps between slices, so a running stream waits at most about one slice for a
+# token. The slice's size in chunks follows the measured time per chunk (chunks differ in length, machines
+# in speed); 16 chunks took 1.2 s on a 2-core CPU, and streams then waited 1-4 s per token during an ingest.
+EMBED_SLICE_S = 0.2
+EMBED_SLICE_MAX = 64
 
-# Where torch work runs: `run_torch(fn, *args)` returns fn(*args) (a service passes its compute thread's `run`).
+# Where torch work runs: `run_torch(fn, *args)` returns fn(*args) (a service passes its compute thread's
+# `run_background`).
 RunTorch = Callable[..., Any]
 
 
+def _timed_embed(embedder: Any, texts: Sequence[str]) -> tuple[np.ndarray, float]:
+    """Embed and say how long it took where it ran (not counting the wait for the thread)."""
+    start = time.perf_counter()
+    vectors = embed_texts(embedder, texts)
+    return vectors, time.perf_counter() - start
+
+
 def _embed_fn(embedder: Any, progress: bool, run_torch: RunTorch | None = None) -> Any:
-    """`embed(texts) -> [n, dim]`: directly, or in slices of EMBED_SLICE through `run_torch`."""
+    """`embed(texts) -> [n, dim]`: directly, or through `run_torch` in slices of about EMBED_SLICE_S."""
     if run_torch is None:
         return lambda texts: embed_texts(embedder, texts, progress=progress)
 
     def sliced(texts: Sequence[str]) -> np.ndarray:
-        parts = [run_torch(embed_texts, embedder, texts[i:i + EMBED_SLICE])
-                 for i in range(0, len(texts), EMBED_SLICE)]
+        parts, i, size = [], 0, 2
+        with tqdm(total=len(texts), desc="embedding", unit="chunk", disable=not progress) as bar:
+            while i < len(texts):
+                vectors, seconds = run_torch(_timed_embed, embedder, texts[i:i + size])
+                parts.append(vectors)
+                i += len(vectors)
+                bar.update(len(vectors))
+                per_chunk = seconds / max(len(vectors), 1)
+                size = int(min(max(EMBED_SLICE_S / max(per_chunk, 1e-6), 1), EMBED_SLICE_MAX))
         return np.concatenate(parts) if parts else run_torch(embed_texts, embedder, [])
     return sliced
 

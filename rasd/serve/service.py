@@ -463,8 +463,9 @@ class Service:
         """Append documents as a new index segment (durable when this returns), then serve from it.
 
         Called on a worker thread, never the compute thread: tokenizing, chunking, suffix arrays and the
-        segment's files happen here, beside decoding; only the embedding (torch) goes to the compute thread,
-        EMBED_SLICE chunks at a time, so running streams keep getting tokens between slices. Another writer
+        segment's files happen here, beside decoding; only the embedding (torch) goes to the compute thread, as
+        background slices of about EMBED_SLICE_S that yield to decoding steps, so running streams keep getting
+        tokens at no less than half their rate. Another writer
         holding the index's lock for over INGEST_LOCK_TIMEOUT_S is a 503, not a request that never ends.
 
         `idempotency_key` (the `Idempotency-Key` header): the batch is added once however often it is sent, by
@@ -486,7 +487,7 @@ class Service:
                 return replay
             try:
                 index = add_documents(self.index.root, documents, model=self.config.model,
-                                      run_torch=self.compute.run, lock_timeout_s=INGEST_LOCK_TIMEOUT_S,
+                                      run_torch=self.compute.run_background, lock_timeout_s=INGEST_LOCK_TIMEOUT_S,
                                       idempotency=claim)
             except LockTimeout as exc:
                 raise ApiError(503, str(exc), "service_unavailable") from exc

@@ -71,6 +71,53 @@ def test_closing_fails_the_calls_still_queued_and_tells_the_worker() -> None:
     assert told == ["stopped"]
 
 
+def test_background_slices_yield_to_decoding_steps() -> None:
+    """An ingest's embedding slices (`run_background`) while requests decode: between two slices the worker
+    gets at least as much time as the slice took, so a stream never waits more than one slice; with no
+    request decoding, slices run back to back."""
+    compute = ComputeThread()
+    events: list[tuple[str, float, float]] = []
+    steps_left = [0]
+
+    class Worker:
+        def has_work(self) -> bool:
+            return steps_left[0] > 0
+
+        def work_once(self) -> None:
+            if steps_left[0] > 0:
+                start = time.perf_counter()
+                time.sleep(0.01)
+                steps_left[0] -= 1
+                events.append(("step", start, time.perf_counter()))
+
+        def stopped(self) -> None:
+            pass
+
+    def slice_() -> None:
+        start = time.perf_counter()
+        time.sleep(0.05)
+        events.append(("slice", start, time.perf_counter()))
+
+    try:
+        compute.attach(Worker())
+        compute.run(lambda: steps_left.__setitem__(0, 400))
+        for _ in range(5):
+            compute.run_background(slice_)
+        kinds = [kind for kind, _, _ in events]
+        assert kinds.count("slice") == 5
+        slices = [i for i, kind in enumerate(kinds) if kind == "slice"]
+        for a, b in zip(slices, slices[1:], strict=False):
+            stepped = sum(end - start for kind, start, end in events[a + 1:b] if kind == "step")
+            assert stepped >= 0.8 * (events[a][2] - events[a][1]), (a, b, kinds)
+        compute.run(lambda: steps_left.__setitem__(0, 0))
+        events.clear()
+        for _ in range(3):
+            compute.run_background(slice_)
+        assert [kind for kind, _, _ in events] == ["slice"] * 3      # idle: no steps owed, none run
+    finally:
+        compute.close()
+
+
 @pytest.mark.slow
 def test_a_worker_that_raises_does_not_stop_the_thread() -> None:
     """The scheduler fails its own requests on a bad step; should anything still escape `work_once`, the

@@ -260,11 +260,12 @@ def test_add_then_compact_equals_one_shot(one_shot: Index, tiny_tok: str, tmp_pa
 
 def test_embedding_handed_to_another_thread_runs_in_slices(one_shot: Index, tiny_tok: str, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A service passes its compute thread as `run_torch`: embedding goes there EMBED_SLICE chunks at a time
-    (so decoding steps run between slices), and the index is the same as one embedded in one call."""
+    """A service passes its compute thread as `run_torch`: embedding goes there in slices sized by the time a
+    chunk takes (so decoding steps run between slices), and the index is the same as one embedded at once."""
     from rasd.index import writer
 
-    monkeypatch.setattr(writer, "EMBED_SLICE", 4)
+    monkeypatch.setattr(writer, "EMBED_SLICE_MAX", 4)
+    monkeypatch.setattr(writer, "EMBED_SLICE_S", 60.0)     # every chunk is fast: slices grow to the cap
     docs = topic_documents()
     root = tmp_path / "sliced"
     build_index(docs[:1], root, model=tiny_tok, chunk_tokens=24, overlap=6)
@@ -276,7 +277,7 @@ def test_embedding_handed_to_another_thread_runs_in_slices(one_shot: Index, tiny
 
     grown = add_documents(root, docs[1:], run_torch=run_torch)
     assert sum(sizes) == grown.num_chunks - grown.segments[0].chunks.num_rows
-    assert len(sizes) > 1 and max(sizes) <= 4
+    assert sizes[0] == 2 and max(sizes) == 4 and len(sizes) > 2
     assert _hit_keys(grown) == _hit_keys(one_shot)
     np.testing.assert_allclose(_scores(grown), _scores(one_shot), atol=1e-5)
 

@@ -8,9 +8,7 @@ the OpenAI error format, the API key, limits (429) and document ingest.
 from __future__ import annotations
 
 import json
-import random
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -314,43 +312,19 @@ def test_changes_by_another_writer_are_served_at_the_next_request(service: dict[
         assert isinstance(client.complete("The axolotl", max_tokens=8, method="rasd").text, str)
 
 
-POTTERY = ("kiln glaze stoneware porcelain slip wheel trimming bisque firing cone reduction celadon shino "
-           "wedging clay throwing handle foot rim kickwheel oxide crawling crazing earthenware raku").split()
-
-
 def test_an_ingest_never_freezes_a_running_stream(service: dict[str, Any]) -> None:
-    """A 200 KB ingest beside a running stream: embedding goes to the compute thread in slices, the rest of
-    the ingest runs beside decoding, so the stream's longest wait during the ingest is a small part of it
-    (on the compute thread, as before, the stream waited for the whole embedding)."""
-    rng = random.Random(0)
-    docs = [{"title": f"pottery notes {i}", "text": " ".join(rng.choice(POTTERY) for _ in range(1800))}
-            for i in range(20)]
-    ingest: dict[str, float] = {}
+    """`rasd ingest-check`'s measurement, small: 150 KB ingested while streams run back to back. Embedding
+    runs on the compute thread in background slices of about 0.2 s that yield to decoding steps, so no token
+    waits more than the service's promise of 2 s (on the compute thread in one piece, as before, a stream
+    waited for the whole embedding; in fixed 16-chunk slices, 1-4 s per token)."""
+    from rasd.eval.ingest_check import make_documents, run_ingest_check, sample_paragraphs, verdict
+    from tests.helpers import KEY
 
-    def add() -> None:
-        ingest["start"] = time.monotonic()
-        r = service["client"].post("/v1/documents", json={"documents": docs})
-        ingest["end"], ingest["status"] = time.monotonic(), r.status_code
-
-    prompt = ", ".join(str(i) for i in range(1, 40)) + ","      # a count the model goes on with
-    arrivals: list[float] = []
-    worker = threading.Thread(target=add)
-    with service["client"].stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 400,
-                                                                   "temperature": 0, "method": "ar",
-                                                                   "stream": True}) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data:"):
-                arrivals.append(time.monotonic())
-                if len(arrivals) == 3:
-                    worker.start()
-    worker.join(300)
-    assert ingest["status"] == 200
-    during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)
-              if a >= ingest["start"] and b <= ingest["end"]]
-    duration = ingest["end"] - ingest["start"]
-    assert len(during) >= 3, ("the stream must run beside the ingest", len(arrivals), duration)
-    assert max(during) < 0.5 * duration, (max(during), duration)
+    docs = make_documents(sample_paragraphs(), 150_000, 50_000, seed=1)
+    summary = run_ingest_check(service["url"], KEY, docs, streams=1, max_tokens=64, method="ar", timeout_s=300)
+    assert summary["ingest_answer"]["added"] == len(docs) == 3, summary["ingest_error"]
+    assert summary["tokens_during"] >= 10, summary        # the streams ran beside the ingest
+    assert verdict(summary, max_wait=2.0) == [], {k: v for k, v in summary.items() if k != "gaps"}
 
 
 def test_metrics_use_vllm_style_names(service: dict[str, Any]) -> None:
