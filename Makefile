@@ -33,7 +33,7 @@ stop: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check rasd tests scripts
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 bench: $(STAMP)
 	$(BIN)/rasd bench --dataset ../shared/data/spec_bench/question.jsonl --methods ar,hf,hf-pld,pld \

@@ -106,7 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retrieve-k", type=int, default=4, help="docqa: chunks retrieved into the prompt")
     parser.add_argument("--category", action="append", default=None,
                         help="keep only this category (or LongBench dataset); repeatable")
-    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list (default {DEFAULT_METHODS})")
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
+                        help=f"comma list (default {DEFAULT_METHODS}); METHOD:KEY=VALUE runs a method with an "
+                             "option changed beside the plain one, e.g. rasd:history=off")
     parser.add_argument("--limit", type=int, default=None, help="prompts per category")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=None,

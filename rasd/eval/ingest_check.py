@@ -37,7 +37,8 @@ def register(subparsers: Any) -> Any:
     p.add_argument("--streams", type=int, default=1, help="streams running at a time")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--method", default="ar")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the check gives up")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds before the check gives up (10 MB took over 30 min on a 2-core CPU)")
     p.add_argument("--max-wait", type=float, default=2.0, help="exit 1 when a token waited longer (seconds)")
     p.add_argument("--out", default=None, help="results JSON")
     p.add_argument("--plot", default=None, help="PNG of every wait for a token against time")

@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any
 
 OVERALL = "overall"
-SOURCE_ORDER = ("context", "documents", "datastore", "retrieval", "draft", "eagle", "recycling", "bonus")
+SOURCE_ORDER = ("context", "documents", "datastore", "retrieval", "history", "draft", "eagle", "recycling", "grammar",
+                "bonus")
 SOURCE_COLOURS = {"context": "#4c72b0", "documents": "#55a868", "datastore": "#8172b2", "retrieval": "#64b5cd",
-                  "draft": "#dd8452", "eagle": "#da8bc3", "recycling": "#c44e52", "bonus": "#b0b0b0"}
+                  "history": "#937860", "grammar": "#8c8c8c", "draft": "#dd8452", "eagle": "#da8bc3",
+                  "recycling": "#c44e52", "bonus": "#b0b0b0"}
 # The summary table: (results.json key, column title, format). The test parses these back.
 TABLE_COLUMNS = (("tokens_per_s", "tok/s", ".2f"), ("e2e_tokens_per_s", "e2e tok/s", ".2f"),
                  ("speedup_vs_hf", "vs hf", ".2f"), ("median_speedup_vs_hf", "median vs hf", ".2f"),

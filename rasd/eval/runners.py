@@ -255,10 +255,17 @@ class EngineRunner:
         self.target = target
         self.sampling = sampling
         self.eos_ids = set(target.eos_token_ids)
-        self.decoder = build_decoder(target, name, draft=draft)
+        method, options = method_variant(name)
+        self.decoder = build_decoder(target, method, draft=draft, **options)
         self.curves: dict[str, Any] = {}       # cost curves the sizer used, by key (for the report)
         self.tree_depths: list[int] = []
         _record_tree_depths(self.decoder, self.tree_depths)
+
+    def after_warmup(self) -> None:
+        """Forget the warm-up's answer: a response history would draft the first prompt from it."""
+        history = getattr(self.decoder.proposer, "history", None)
+        if history is not None and hasattr(history, "clear"):
+            history.clear()
 
     def prepare(self, prompts: Sequence[BenchPrompt], max_new_tokens: int) -> None:
         """Load (or measure, once per context bucket) every cost curve the prompts will need, now.
@@ -331,6 +338,31 @@ def _record_tree_depths(decoder: Any, depths: list[int]) -> None:
     sizer.observe = observe_and_record
 
 
+def method_variant(name: str) -> tuple[str, dict[str, Any]]:
+    """`rasd:history=off` -> ("rasd", {"history": False}): a method with options changed, so that it runs
+    beside the plain one in the same benchmark (values: on/off, integers, floats, else text)."""
+    method, _, rest = name.partition(":")
+    options: dict[str, Any] = {}
+    for pair in filter(None, rest.split(";")):
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"method {name!r}: options are KEY=VALUE, e.g. rasd:history=off")
+        options[key] = _option_value(value)
+    return method, options
+
+
+def _option_value(text: str) -> Any:
+    flags = {"on": True, "true": True, "off": False, "false": False}
+    if text.lower() in flags:
+        return flags[text.lower()]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def make_runner(name: str, target: LoadedModel, sampling: SamplingConfig,
                 draft: LoadedModel | None = None) -> Runner:
     """HF baselines by name; every other name is one of our engine's methods."""
@@ -359,6 +391,8 @@ def run_prompts(runners: Sequence[Runner], prompts: Sequence[BenchPrompt], max_n
         for runner in runners:
             _bind(runner, prompts[0])
             runner.run(prompts[0].input_ids, warm_tokens, sampling.prompt_seed(0))
+            if hasattr(runner, "after_warmup"):
+                runner.after_warmup()
     records: list[RunRecord] = []
     for prompt in tqdm(prompts, desc="bench", unit="prompt", disable=not progress, file=sys.stderr):
         for runner in rotated(runners, prompt.index):

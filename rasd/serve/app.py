@@ -28,6 +28,7 @@ from ray import serve
 
 from rasd.serve.auth import ApiKeyMiddleware, resolve_api_key
 from rasd.serve.limits import BodyLimitMiddleware, Limits, check_chat, check_documents, check_prompt, check_question
+from rasd.serve.loopback import is_single_machine, loopback_env, single_machine_ray
 from rasd.serve.metrics import CONTENT_TYPE
 from rasd.serve.openai import (
     FINISH_REASONS,
@@ -540,12 +541,19 @@ def draft_worker_config(args: Any) -> dict[str, Any]:
 # machine, taken from the decoding threads (whose OpenMP barriers then wait for the descheduled one). Measured
 # here: the whole idle Ray + Serve background 5.3% -> 2.0% of the CPUs, 8 concurrent document-QA requests
 # ≈ 4% faster. One second is ample for one app's health checks and restarts.
+LOOPBACK = "127.0.0.1"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 QUIET_RAY_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0"}
 
 
-def ray_env() -> dict[str, str]:
-    """The environment for a Ray this command starts: the quiet defaults, unless the user set them."""
-    return {**QUIET_RAY_ENV, **os.environ}
+def ray_env(ray_host: str | None = None, http_host: str = LOOPBACK, http_port: int = 8000) -> dict[str, str]:
+    """The environment for a Ray this command starts: the quiet defaults, unless the user set them; with
+    `ray_host` on loopback, the bind shim that keeps every port of that Ray there (`serve.loopback`), all
+    but the HTTP port when the user asked the service itself to listen beyond this machine."""
+    env = {**QUIET_RAY_ENV, **os.environ}
+    if ray_host is not None and ray_host in LOOPBACK_HOSTS:
+        env.update(loopback_env(None if http_host in LOOPBACK_HOSTS else http_port))
+    return env
 
 
 def run_serve(args: Any) -> int:
@@ -564,12 +572,14 @@ def run_serve(args: Any) -> int:
         raise CliError(str(exc).replace("_", "-")) from exc
     ray_host = getattr(args, "ray_host", LOOPBACK)
     if args.detach and not args.address:
-        ensure_local_cluster(ray_host)
+        ensure_local_cluster(ray_host, args.host, args.port)
         address: str | None = "auto"
     else:
         address = args.address
     if address is None:                      # ray.init starts the local Ray: it inherits this environment
-        os.environ.update(ray_env())
+        os.environ.update(ray_env(ray_host, args.host, args.port))
+    if (address is None and ray_host in LOOPBACK_HOSTS) or (address == "auto" and is_single_machine()):
+        single_machine_ray()                 # this driver's node address is 127.0.0.1, as the head's
     local = {"_node_ip_address": ray_host} if address is None else {}   # a Ray started here binds ray_host
     ray.init(address=address, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, **local)
@@ -602,7 +612,7 @@ def _warn_open(host: str, key: str | None) -> None:
     """Say whether a key protects the service, and warn when it listens beyond this machine without one."""
     if key is not None:
         print("API key required on every route but /healthz and the web page's files", flush=True)
-    elif host not in ("127.0.0.1", "localhost", "::1"):
+    elif host not in LOOPBACK_HOSTS:
         print(f"warning: listening on {host} with no API key: anyone who can reach it can use the service "
               f"(set --api-key or RASD_API_KEY)", file=sys.stderr, flush=True)
 
@@ -613,7 +623,6 @@ def _ray_cli() -> str:
     return str(local) if local.exists() else "ray"
 
 
-LOOPBACK = "127.0.0.1"
 
 
 def head_start_args(ray_host: str = LOOPBACK) -> list[str]:
@@ -623,13 +632,13 @@ def head_start_args(ray_host: str = LOOPBACK) -> list[str]:
             "--disable-usage-stats"]
 
 
-def ensure_local_cluster(ray_host: str = LOOPBACK) -> None:
+def ensure_local_cluster(ray_host: str = LOOPBACK, http_host: str = LOOPBACK, http_port: int = 8000) -> None:
     """Start a local head node that outlives this process (a detached service needs one)."""
     probe = subprocess.run([_ray_cli(), "status"], capture_output=True, text=True)
     if probe.returncode == 0:
         return
     started = subprocess.run([_ray_cli(), *head_start_args(ray_host)], capture_output=True, text=True,
-                             env=ray_env())
+                             env=ray_env(ray_host, http_host, http_port))
     if started.returncode != 0:
         from rasd.errors import CliError
 
@@ -639,6 +648,8 @@ def ensure_local_cluster(ray_host: str = LOOPBACK) -> None:
 def stop_detached() -> int:
     import ray
 
+    if is_single_machine():
+        single_machine_ray()
     try:
         ray.init(address="auto", log_to_driver=False)
         serve.shutdown()

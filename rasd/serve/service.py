@@ -25,6 +25,7 @@ from rasd.apps.docqa import Source, fit_sources, scope_proposer
 from rasd.decoding.compute import ComputeThread
 from rasd.decoding.engine import GenerationOutput, build_decoder, vocab_size
 from rasd.decoding.grammar import ll_tokenizer
+from rasd.decoding.history import ResponseHistory
 from rasd.decoding.kernels import install
 from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.proposers import METHODS, RecyclingMatrix, method_spec
@@ -58,6 +59,7 @@ class ServeConfig:
     prefill_chunk: int = 0                # > 0: a joining request is prefilled this many tokens per step
     prefix_cache_mb: int = 256            # K/V of prompt prefixes kept for later requests (0: off)
     warm_methods: bool = True             # decode a few tokens of every method at start (`Service._warm_methods`)
+    history_mb: int = 64                  # earlier answers kept as a drafting source (`history`; 0: off)
     max_waiting: int = 16                 # queued beyond the batch; more gets 429
     max_tokens_limit: int = 1024          # the largest max_tokens a request may ask for
     max_prompt_tokens: int | None = None  # default: the model's context minus room for one token
@@ -121,7 +123,7 @@ class Service:
         self._warm: dict[str, dict[str, Any]] = {}   # method -> what the last finished request's sizer learned
         self._finished = 0
         self.verifier: Any = None
-        self.draft = self.drafts = self.scheduler = self.recycling = None
+        self.draft = self.drafts = self.scheduler = self.recycling = self.history = None
         if config.verifier_actor:
             from rasd.distributed.verifier import RemoteVerifier
 
@@ -146,6 +148,8 @@ class Service:
         # Token Recycling's matrix is shared by every request (hot start) and outlives the process on disk.
         self.recycling_path = matrix_path(self.target.name)
         self.recycling = RecyclingMatrix.load_or_new(self.recycling_path, vocab_size(self.target.model))
+        # One history per service, so per index: answers drafted from it were written over these documents.
+        self.history = ResponseHistory(max_mb=config.history_mb) if config.history_mb > 0 else None
 
     def _warm_up(self, search: bool, forward: bool) -> None:
         """Load the query embedder and run the target once before the first request.
@@ -181,7 +185,7 @@ class Service:
             long = method == self.config.docqa_method and docqa is not None
             for ids in [chat, docqa] if long else [chat]:
                 prepared = Prepared(ids, method, 4, SamplingParams(), [])
-                stream = self._stream_for(prepared)
+                stream = self._stream_for(prepared, warm=True)
                 for _ in stream:
                     pass
                 finish_draft(stream)
@@ -342,13 +346,15 @@ class Service:
             raise ApiError(400, str(exc), param="question") from exc
 
     # ------------------------------------------------------------------ decoding
-    def _stream_for(self, p: Prepared) -> Any:
+    def _stream_for(self, p: Prepared, warm: bool = False) -> Any:
         spec = method_spec(p.method)
         index = self.fresh_index() if spec.uses_index else self.index
         datastores = index.datastores() if (index is not None and spec.uses_index) else None
         extra = {"datastores": datastores} if datastores is not None else {}
         if spec.uses_recycling:
             extra["recycling"] = self.recycling
+        if spec.uses_history:          # the warm-up's answers go to a throwaway store, not the shared one
+            extra["history"] = ResponseHistory(max_mb=1) if warm or self.history is None else self.history
         draft = self.draft
         if spec.remote_draft and self.drafts is not None:   # the draft runs in a worker, not here
             extra["draft_proposer"], draft = self.drafts.remote_draft(), None

@@ -182,6 +182,8 @@ def test_docqa_equals_in_process_pipeline(service: dict[str, Any], local: Any) -
     assert streamed[0]["sources"][0]["title"] == "Bridges"
     assert "".join(e.get("delta", "") for e in streamed).strip() == ref.answer
     assert streamed[-1]["answer"] == ref.answer
+    # asked twice: the service remembered the first answer (its response history) and drafted the second from it
+    assert streamed[-1]["rasd"]["committed_by_source"].get("history", 0) > 0, streamed[-1]["rasd"]
     # asked twice: the second prefill reused the first one's prompt blocks (all but the last 16-31 tokens)
     prompt_tokens = streamed[-1]["usage"]["prompt_tokens"]
     assert prompt_tokens - 32 < streamed[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] <= prompt_tokens - 16
