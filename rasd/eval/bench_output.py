@@ -24,7 +24,8 @@ def format_table(results: dict[str, Any]) -> str:
     """A plain-text table: one row per (category, method), the overall rows last."""
     methods = results["methods"]
     categories = sorted({c for entry in methods.values() for c in entry["per_category"]})
-    header = (f"{'category':<16} {'method':<12} {'tok/s':>7} {'e2e':>7} {'vs hf':>6} {'med':>6} "
+    width = max([12, *(len(name) for name in methods)])     # variants like rasd:history=off fit whole
+    header = (f"{'category':<16} {'method':<{width}} {'tok/s':>7} {'e2e':>7} {'vs hf':>6} {'med':>6} "
               f"{'vs ar':>6} {'acc':>5} {'match':>5} {'n':>3}")
     lines = [header, "-" * len(header)]
     for cat in [*categories, OVERALL]:
@@ -32,12 +33,12 @@ def format_table(results: dict[str, Any]) -> str:
             s = entry if cat == OVERALL else entry["per_category"].get(cat)
             if s is None:
                 continue
-            lines.append(_table_row(cat, name, s))
+            lines.append(_table_row(cat, name, s, width))
     return "\n".join(lines)
 
 
-def _table_row(category: str, method: str, s: dict[str, Any]) -> str:
-    return (f"{category[:16]:<16} {method[:12]:<12} {_fmt(s['tokens_per_s'], '7.2f'):>7} "
+def _table_row(category: str, method: str, s: dict[str, Any], width: int = 12) -> str:
+    return (f"{category[:16]:<16} {method:<{width}} {_fmt(s['tokens_per_s'], '7.2f'):>7} "
             f"{_fmt(s['e2e_tokens_per_s'], '7.2f'):>7} {_fmt(s['speedup_vs_hf'], '.2f', 'x'):>6} "
             f"{_fmt(s['median_speedup_vs_hf'], '.2f', 'x'):>6} {_fmt(s['speedup_vs_ar'], '.2f', 'x'):>6} "
             f"{_fmt(s['mean_accepted_tokens'], '5.2f'):>5} {_fmt(s['greedy_match_rate'], '5.2f'):>5} "

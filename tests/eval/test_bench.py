@@ -314,12 +314,24 @@ def test_rotation_and_method_parsing():
         parse_methods(" , ")
 
 
+def test_method_variants_run_a_method_with_options_changed():
+    from rasd.eval.runners import method_variant
+
+    assert method_variant("rasd") == ("rasd", {})
+    assert method_variant("rasd:history=off") == ("rasd", {"history": False})
+    assert method_variant("pld:max_ngram=3;length=8.5;name=x") == ("pld", {"max_ngram": 3, "length": 8.5,
+                                                                        "name": "x"})
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        method_variant("rasd:history")
+
+
 def test_table_and_plot(tmp_path):
-    recs = [record(m, 0, "qa", [1, 2, 3], t, 2, 1.0) for m, t in (("hf", 2.0), ("hf-pld", 1.0))]
+    recs = [record(m, 0, "qa", [1, 2, 3], t, 2, 1.0) for m, t in (("hf", 2.0), ("hf-pld:extra=on", 1.0))]
     results = build_results({"model": "m", "device": "cpu", "dtype": "float32", "max_new_tokens": 3}, recs,
-                            ["hf", "hf-pld"])
+                            ["hf", "hf-pld:extra=on"])
     table = format_table(results)
     assert "qa" in table and "overall" in table and "2.00x" in table
+    assert "hf-pld:extra=on " in table      # a long method name is never cut
     png = tmp_path / "speedup.png"
     plot_speedups(results, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
