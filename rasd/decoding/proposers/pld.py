@@ -57,9 +57,16 @@ def counted_trie(root_token: int, continuations: list[list[int]], source: str, m
     dict rather than `DraftTree.add` (a linear sibling scan): a datastore lookup counts up to hundreds of
     continuations per step, and a quadratic build would cost more than a verification forward.
     """
+    return count_trie(root_token, continuations, source).top_nodes(max_nodes)
+
+
+def count_trie(root_token: int, continuations: list[list[int]], source: str,
+               weights: list[int] | None = None) -> DraftTree:
+    """The whole counted trie (`counted_trie` without the cut); `weights`: how often each continuation counts."""
+    weights = [1] * len(continuations) if weights is None else weights
     tokens, parents, counts = [int(root_token)], [-1], [0]
     index: dict[tuple[int, int], int] = {}
-    for cont in continuations:
+    for cont, weight in zip(continuations, weights, strict=True):
         node = 0
         for tok in cont:
             child = index.get((node, tok))
@@ -68,12 +75,11 @@ def counted_trie(root_token: int, continuations: list[list[int]], source: str, m
                 tokens.append(int(tok))
                 parents.append(node)
                 counts.append(0)
-            counts[child] += 1
+            counts[child] += weight
             node = child
-    total = max(len(continuations), 1)
-    tree = DraftTree(tokens=tokens, parents=parents, sources=[ROOT] + [source] * (len(tokens) - 1),
+    total = max(sum(weights), 1)
+    return DraftTree(tokens=tokens, parents=parents, sources=[ROOT] + [source] * (len(tokens) - 1),
                      scores=[1.0] + [c / total for c in counts[1:]])
-    return tree.top_nodes(max_nodes)
 
 
 class PromptLookupProposer:

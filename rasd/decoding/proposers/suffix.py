@@ -18,10 +18,10 @@ import torch
 
 from rasd.decoding.fusion import merge_trees
 from rasd.decoding.history import HistoryMatch, ResponseHistory
-from rasd.decoding.proposers.pld import PromptLookupProposer
+from rasd.decoding.proposers.pld import PromptLookupProposer, count_trie
 from rasd.decoding.proposers.retrieval import match_class
 from rasd.decoding.sampling import SamplingParams
-from rasd.decoding.tree import ROOT, DraftTree
+from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict
 
 HISTORY = "history"
@@ -35,22 +35,7 @@ def spec_budget(match_length: int, max_spec_factor: float, max_spec_offset: floa
 def weighted_tree(root_token: int, match: HistoryMatch, source: str, min_prob: float, budget: int) -> DraftTree:
     """Count the continuations (weighted) into a trie; keep nodes with path probability >= `min_prob`, then the
     `budget` likeliest. A child's count never exceeds its parent's, so both cuts keep a connected tree."""
-    tokens, parents, counts = [int(root_token)], [-1], [0]
-    index: dict[tuple[int, int], int] = {}
-    for cont, weight in zip(match.continuations, match.weights, strict=True):
-        node = 0
-        for tok in cont:
-            child = index.get((node, tok))
-            if child is None:
-                child = index[(node, tok)] = len(tokens)
-                tokens.append(int(tok))
-                parents.append(node)
-                counts.append(0)
-            counts[child] += weight
-            node = child
-    total = max(sum(match.weights), 1)
-    tree = DraftTree(tokens=tokens, parents=parents, sources=[ROOT] + [source] * (len(tokens) - 1),
-                     scores=[1.0] + [c / total for c in counts[1:]])
+    tree = count_trie(root_token, match.continuations, source, match.weights)
     likely = [i for i in range(1, len(tree)) if tree.scores[i] >= min_prob]
     return tree.subtree(likely).top_nodes(budget)
 
