@@ -119,7 +119,7 @@ def _embed_fn(embedder: Any, progress: bool, run_torch: RunTorch | None = None) 
 
 def _segment_data(docs: list[Document], tokenizer: Any, embedder: Any, doc_id_start: int, chunk_id_start: int,
                   chunking: dict[str, int], progress: bool, run_torch: RunTorch | None = None) -> SegmentData:
-    tokenized = tokenize_documents(tokenizer, [d.text for d in docs], progress=progress)
+    tokenized = tokenize_documents(tokenizer, [d.text for d in docs], progress=progress, run_python=run_torch)
     return make_segment_data(docs, tokenized, _embed_fn(embedder, progress, run_torch), doc_id_start,
                              chunk_id_start, chunking["chunk_tokens"], chunking["overlap"])
 

@@ -272,7 +272,8 @@ def test_embedding_handed_to_another_thread_runs_in_slices(one_shot: Index, tiny
     sizes: list[int] = []
 
     def run_torch(fn, *args):   # noqa: ANN001, ANN202 - a stand-in for ComputeThread.run
-        sizes.append(len(args[1]))
+        if fn is writer._timed_embed:
+            sizes.append(len(args[1]))
         return fn(*args)
 
     grown = add_documents(root, docs[1:], run_torch=run_torch)
@@ -405,6 +406,29 @@ def test_tokenizer_mismatch_is_a_clear_error(one_shot: Index, tmp_path: Path) ->
     same = make_tiny_tokenizer(tmp_path / "same-tok")              # same training: same tokenizer, new path
     check_tokenizer(one_shot, str(same))
     assert one_shot.num_documents == 6                             # the failed add changed nothing
+
+
+@pytest.mark.parametrize("name", ["tiny", "default"])
+def test_tokenizing_equals_the_tokenizer_call_and_converts_where_asked(name: str, tiny_tok: str) -> None:
+    """Documents are encoded by the Rust tokenizer directly (it releases the GIL) and converted to arrays
+    through `run_python` (a service's compute thread); ids and offsets equal the Python wrapper's."""
+    from rasd.index.chunking import _PROBE
+
+    tok = load_tokenizer(tiny_tok if name == "tiny" else "default")
+    texts = [d.text for d in topic_documents(3)] + [_PROBE, "  leading  and trailing  ", "x"]
+    calls: list[str] = []
+
+    def run_python(fn, *args):   # noqa: ANN001, ANN202 - a stand-in for ComputeThread.run_background
+        calls.append(fn.__name__)
+        return fn(*args)
+
+    got = tokenize_documents(tok, texts, batch_size=4, run_python=run_python)
+    want = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+    assert [g.ids.tolist() for g in got] == want["input_ids"]
+    assert [g.offsets.tolist() for g in got] == [[list(o) for o in offs] for offs in want["offset_mapping"]]
+    assert all(g.ids.dtype == np.int32 and g.offsets.dtype == np.int64 and g.offsets.shape == (len(g.ids), 2)
+               for g in got)
+    assert calls == ["_ids_array", "_offsets_array"] * len(texts)
 
 
 def test_default_tokenizer_end_to_end(tmp_path: Path) -> None:
