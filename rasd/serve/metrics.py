@@ -69,3 +69,55 @@ class ServiceMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def merge_metrics(texts: list[bytes]) -> bytes:
+    """One exposition of several replicas' registries: every sample summed over replicas (all of ours are
+    counters, gauges of request counts and histograms, so a sum is the service's value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, tuple[str, str]] = {}
+    totals: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode("utf-8")):
+            if family.name.endswith("_created"):
+                continue
+            families.setdefault(family.name, (family.type, family.documentation))
+            samples = totals.setdefault(family.name, {})
+            for s in family.samples:
+                if s.name.endswith("_created"):              # creation timestamps: not summable, left out
+                    continue
+                key = (s.name, tuple(sorted(s.labels.items())))
+                samples[key] = samples.get(key, 0.0) + s.value
+    lines = []
+    for name, (kind, doc) in families.items():
+        header = f"{name}_total" if kind == "counter" else name    # as prometheus_client writes counters
+        lines += [f"# HELP {header} {_escape(doc)}", f"# TYPE {header} {kind}"]
+        for (sample, labels), value in totals[name].items():
+            lines.append(f"{sample}{_labels(labels)} {_number(value)}")
+    return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+def router_metrics(decisions: dict[str, int]) -> bytes:
+    """The prefix-aware router's decisions (`serve.router`): hit / (hit + miss + busy) is its hit rate."""
+    registry = CollectorRegistry()
+    counter = Counter("rasd:router_requests", "Requests routed by prompt prefix, by outcome: hit (sent to the "
+                      "replica holding its prefix), miss (no replica held it), busy (that replica was too busy)",
+                      ["outcome"], registry=registry)
+    for outcome, count in decisions.items():
+        counter.labels(outcome=outcome).inc(count)
+    return generate_latest(registry)
+
+
+def _labels(labels: tuple[tuple[str, str], ...]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels) + "}"
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    return repr(float(value)) if value != int(value) or abs(value) >= 1e15 else f"{int(value)}.0"

@@ -26,12 +26,17 @@ def register(subparsers: Any) -> Any:
     p.add_argument("--ray-host", default="127.0.0.1",
                    help="address the Ray that `rasd serve` starts binds (default 127.0.0.1: this machine only; "
                         "a head other nodes join needs a reachable one, see docs/serving.md)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="model replicas behind the one endpoint; a chat's turns and repeated prompts are routed "
+                        "to the replica that cached them (default threads: the cores split between them)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="prefill a request that joins running ones this many prompt tokens per step (0: at once)")
     p.add_argument("--prefix-cache-mb", type=int, default=256,
                    help="keep the K/V of prompt prefixes (system prompt, chat history) for later requests, up to "
                         "this many MiB (0: off)")
+    p.add_argument("--history-mb", type=int, default=64,
+                   help="earlier answers kept per replica as a drafting source (`history`, SuffixDecoding); 0: off")
     p.add_argument("--max-waiting", type=int, default=16, help="queued requests beyond the batch (then 429)")
     p.add_argument("--max-tokens-limit", type=int, default=1024)
     p.add_argument("--limit", action="append", metavar="NAME=VALUE",

@@ -73,6 +73,8 @@ class ServeConfig:
     verifier_options: dict[str, Any] = field(default_factory=dict)  # its Ray options (num_gpus, resources)
     api_key: str | None = None
     threads: int | None = None            # torch threads in the replica (Ray sets OMP_NUM_THREADS=1)
+    replicas: int = 1                     # model replicas behind the one endpoint (Serve's num_replicas)
+    router: dict[str, Any] = field(default_factory=dict)  # prefix router options (`PrefixAffinityRouter`)
     served_model_name: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -564,9 +566,11 @@ def finish_draft(stream: Any) -> None:
         finish()
 
 
-def default_threads() -> int:
-    """All cores of the node: one replica decodes for everyone (batching), so it should use them all."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+def default_threads(replicas: int = 1) -> int:
+    """The node's cores shared by its replicas: one replica decodes for everyone (batching), so it should
+    use them all; several split them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, replicas))
 
 
 def sizer_state(sizer: Any) -> dict[str, Any]:

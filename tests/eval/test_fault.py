@@ -51,7 +51,7 @@ def fault_service(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
     import ray
     from ray import serve
 
-    from rasd.serve.app import RasdServer, build_app
+    from rasd.serve.app import build_app
 
     index = _index(tmp_path_factory.mktemp("fault") / "index")
     config = {"index": str(index), "api_key": KEY, "max_batch": 4, "max_waiting": 4, "max_tokens_limit": 64,
@@ -65,7 +65,7 @@ def fault_service(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
     else:
         shared = request.getfixturevalue("service")
         url, prefix = f"{shared['url']}/fault", "/fault"
-        app = RasdServer.options(ray_actor_options={"num_cpus": 0}).bind({**config, "threads": 1})
+        app = build_app({**config, "threads": 1}, replica_cpus=0)
     serve.run(app, name=APP, route_prefix=prefix)
     yield {"url": url, "index": index}
     if owns_ray:

@@ -1,0 +1,195 @@
+"""The HTTP ingress: OpenAI-compatible completions, document QA, ingest, health, metrics and the web page.
+
+It holds no model. It checks the key and the sizes (middlewares, before a body is read), validates the
+request, and hands it to a model replica (`serve.replica.RasdServer`) through a deployment handle, with the
+prompt's text as `route=`: the prefix-aware request router (`serve.router`) sends it to the replica whose
+cache already holds that prefix. Health and metrics are gathered from every replica (`broadcast`).
+"""
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from rasd.serve.auth import ApiKeyMiddleware, resolve_api_key
+from rasd.serve.limits import BodyLimitMiddleware, Limits, check_chat, check_documents, check_prompt, check_question
+from rasd.serve.metrics import CONTENT_TYPE, merge_metrics, router_metrics
+from rasd.serve.openai import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DocQARequest,
+    DocumentsRequest,
+    error_body,
+)
+from rasd.serve.router import ROUTER_STATE
+from rasd.serve.service import ServeConfig
+from rasd.serve.web import static_file
+
+REPLICA_HEADER = "X-Rasd-Replica"      # which replica answered (a chat's turns should share one)
+STATE_TIMEOUT_S = 10.0                 # a replica slower than this to report its health counts as unhealthy
+
+api = FastAPI(title="rasd", description="Retrieval-augmented speculative decoding: lossless, faster answers")
+api.state.api_key = None       # set by the ingress; the middlewares check key and size before a body is read
+api.state.limits = Limits()
+api.add_middleware(BodyLimitMiddleware, limits_source=lambda: api.state.limits)
+api.add_middleware(ApiKeyMiddleware, key_source=lambda: api.state.api_key)   # added last: runs first
+
+
+@api.exception_handler(ApiError)
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg", exc))
+    return JSONResponse(error_body(message, "invalid_request_error", param, 400), status_code=400)
+
+
+def _unwrapped(exc: BaseException) -> BaseException:
+    """The replica's own exception inside Ray's wrapper (an ApiError keeps its HTTP status)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def chat_route(body: ChatRequest) -> str:
+    """The text a chat's prefix is judged by: its messages in order, as the chat template lays them out."""
+    return "".join(f"\x1e{m['role']}\x1f{m['content']}" for m in body.message_dicts())
+
+
+@serve.deployment(name="RasdIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class RasdIngress:
+    """The HTTP face of the service; `replicas` is the handle of the model replicas."""
+
+    def __init__(self, replicas: Any, config: dict[str, Any]):
+        self.config = ServeConfig(**config)
+        self.replicas = replicas
+        self.api_key = resolve_api_key(self.config.api_key)
+        self.limits = Limits(**self.config.limits)
+        self.started = time.time()
+        api.state.api_key, api.state.limits = self.api_key, self.limits
+
+    # ------------------------------------------------------------------ web page (no API key: static files)
+    @api.get("/", response_class=HTMLResponse)
+    async def page(self) -> Response:
+        found = static_file("index.html")
+        if found is None:
+            raise ApiError(404, "the web page is not installed", "not_found_error")
+        return Response(found[0], media_type=found[1])
+
+    @api.get("/static/{name}")
+    async def static(self, name: str) -> Response:
+        found = static_file(name)
+        if found is None:
+            raise ApiError(404, f"no static file {name!r}", "not_found_error")
+        return Response(found[0], media_type=found[1], headers={"Cache-Control": "no-cache"})
+
+    # ------------------------------------------------------------------ state of every replica
+    @api.get("/healthz")
+    async def healthz(self) -> Any:
+        """200 with the service's state (requests summed over replicas), or 503 when a replica's decoding
+        loop is dead or stuck with work waiting, or does not answer."""
+        states = await self._every_replica("health")
+        problems = [s["problem"] if isinstance(s, dict) else f"a replica did not answer: {s}" for s in states]
+        problem = next((p for p in problems if p), None) if states else "no replica is running"
+        healthy = [s for s in states if isinstance(s, dict)]
+        first = healthy[0] if healthy else {}
+        body = {"status": "ok" if problem is None else "unhealthy", "problem": problem,
+                "model": self.config.model_name, "auth": self.api_key is not None,
+                "running": sum(s["running"] for s in healthy), "waiting": sum(s["waiting"] for s in healthy),
+                "index": first.get("index"), "torch_threads": first.get("torch_threads"), "omp": first.get("omp"),
+                "verifier": first.get("verifier"), "replicas": [
+                    {k: s[k] for k in ("replica", "running", "waiting", "problem")} for s in healthy]}
+        return body if problem is None else JSONResponse(body, status_code=503)
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
+                                            "created": int(self.started), "owned_by": "rasd"}]}
+
+    @api.get("/v1/info")
+    async def info(self) -> dict[str, Any]:
+        info = await self._call(self.replicas.info.remote())
+        return {**info, "replicas": len(ROUTER_STATE.replicas) or 1}
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        texts = [t for t in await self._every_replica("metrics") if isinstance(t, bytes)]
+        return Response(merge_metrics(texts) + router_metrics(ROUTER_STATE.snapshot()), media_type=CONTENT_TYPE)
+
+    # ------------------------------------------------------------------ generation
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest) -> Any:
+        check_prompt(body, self.limits)
+        return await self._generate("completions", body, body.prompt_text())
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, body: ChatRequest) -> Any:
+        check_chat(body, self.limits)
+        return await self._generate("chat", body, chat_route(body))
+
+    @api.post("/v1/docqa")
+    async def docqa(self, body: DocQARequest) -> Any:
+        check_question(body, self.limits)
+        return await self._generate("docqa", body, body.question)
+
+    @api.post("/v1/documents")
+    async def documents(self, body: DocumentsRequest, request: Request) -> Any:
+        check_documents(body, self.limits)
+        key = request.headers.get("idempotency-key")
+        if key is not None and not 1 <= len(key) <= 255:
+            raise ApiError(400, "Idempotency-Key must have 1 to 255 characters", param="Idempotency-Key")
+        answer = await self._call(self.replicas.documents.remote([d.model_dump() for d in body.documents], key))
+        return self._response(answer)
+
+    # ------------------------------------------------------------------ helpers
+    async def _generate(self, endpoint: str, body: Any, route: str) -> Any:
+        """Hand a request to a replica chosen by its prompt's prefix; a stream starts once it is admitted."""
+        if not body.stream:
+            return self._response(await self._call(self.replicas.complete.remote(endpoint, body, route=route)))
+        lines = self.replicas.options(stream=True).stream.remote(endpoint, body, route=route)
+        try:
+            replica = await lines.__anext__()
+        except Exception as exc:     # noqa: BLE001 - the replica's refusal (429, 400) as its HTTP status
+            raise _unwrapped(exc) from None
+        return StreamingResponse(_relay(lines), media_type="text/event-stream", headers={REPLICA_HEADER: replica})
+
+    @staticmethod
+    async def _call(response: Any) -> Any:
+        try:
+            return await response
+        except Exception as exc:     # noqa: BLE001 - see _unwrapped
+            raise _unwrapped(exc) from None
+
+    @staticmethod
+    def _response(answer: dict[str, Any]) -> JSONResponse:
+        return JSONResponse(answer["body"], headers={REPLICA_HEADER: answer["replica"]})
+
+    async def _every_replica(self, method: str) -> list[Any]:
+        """`method`'s answer from every running replica (an exception in place of one that failed)."""
+        try:
+            response = self.replicas.broadcast(method)
+            return await asyncio.wait_for(response.results_async(return_exceptions=True), STATE_TIMEOUT_S)
+        except Exception as exc:     # noqa: BLE001 - no replica up yet, or none answered in time
+            return [exc]
+
+
+async def _relay(lines: Any) -> AsyncIterator[str]:
+    """A replica's event lines to the client; a client that leaves cancels the replica's generator, and
+    with it the request's rows in the batch."""
+    try:
+        async for line in lines:
+            yield line
+    finally:
+        with contextlib.suppress(Exception):
+            lines.cancel()

@@ -1,0 +1,104 @@
+"""The prefix-aware router's pure parts: prefix keys, the bounded table, the choice rule, the shared state,
+and the merge of several replicas' metrics (the real router on a real Serve app: test_replicas.py)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from rasd.decoding.stats import DecodeStats
+from rasd.serve.metrics import ServiceMetrics, merge_metrics, router_metrics
+from rasd.serve.router import PrefixTable, RouterState, choose, prefix_keys
+
+
+def test_prefix_keys_chain_every_block_before() -> None:
+    a, b = "x" * 130 + "tail one", "x" * 130 + "tail two"
+    (ka, tail_a), (kb, tail_b) = prefix_keys(a, 64), prefix_keys(b, 64)
+    assert len(ka) == 2 and ka == kb and (tail_a, tail_b) == ("xxtail one", "xxtail two")
+    assert prefix_keys("y" + a[1:], 64)[0][1] != ka[1]                # the same later text after another start
+    assert prefix_keys("short question?", 64) == ([], "short question?")
+    assert prefix_keys("", 64) == ([], "")
+
+
+def test_table_finds_the_longest_prefix_per_replica() -> None:
+    table = PrefixTable(block=8)
+    table.insert("system prompt. user: hello", "A")
+    table.insert("system prompt. user: other question", "B")
+    turn2 = "system prompt. user: hello assistant: hi user: more"
+    found = table.match(turn2, ["A", "B"])
+    assert found["A"] > found["B"] > 0                                # both share the system prompt; A has more
+    assert table.match(turn2, ["B"]) == {"B": found["B"]}           # only replicas asked about
+    assert table.match("unrelated", ["A", "B"]) == {}
+    assert table.match("system prompt. user: hello", ["A"]) == {"A": 26}   # the whole text, partial block too
+    table.insert("Where do quokkas live?", "B")                        # a short question, then a longer text
+    assert table.match("Where do quokkas live? On an island.", ["A", "B"]) == {"B": 22}
+
+
+def test_a_chats_next_turn_matches_to_the_character() -> None:
+    table = PrefixTable(block=64)
+    turn1 = "\x1euser\x1fWhich gas do plants take in from the air to make sugar?"      # under one block
+    table.insert(turn1, "A")
+    turn2 = turn1 + "\x1eassistant\x1fCarbon dioxide.\x1euser\x1fAnd which gas do they give off?"
+    assert table.match(turn2, ["A", "B"]) == {"A": len(turn1)}
+    table.insert(turn2, "A")
+    turn3 = turn2 + "\x1eassistant\x1fOxygen.\x1euser\x1fThanks."
+    assert table.match(turn3, ["A", "B"]) == {"A": len(turn2)}
+
+
+def test_table_is_bounded_and_forgets_dead_replicas() -> None:
+    table = PrefixTable(max_keys=10, block=4)
+    for i in range(20):
+        table.insert(f"{i:04d}", "A")
+    assert len(table) == 10
+    assert table.match("0000", ["A"]) == {} and table.match("0019", ["A"]) == {"A": 4}   # oldest evicted
+    table.insert("0019", "B")
+    table.insert("00", "A")
+    table.remove_replica("A")
+    assert table.match("0019", ["A", "B"]) == {"B": 4} and len(table) == 1
+    assert table.match("00", ["A", "B"]) == {}
+
+
+def test_choose_prefers_the_match_unless_it_is_much_busier() -> None:
+    assert choose({}, {"A": 0, "B": 0}) == (None, "miss")
+    assert choose({"A": 64}, {"A": 3, "B": 0}, imbalance=4) == ("A", "hit")
+    assert choose({"A": 64}, {"A": 5, "B": 0}, imbalance=4) == (None, "busy")
+    assert choose({"A": 64, "B": 128}, {"A": 0, "B": 1}) == ("B", "hit")           # the longest prefix
+    assert choose({"A": 64, "B": 64}, {"A": 2, "B": 1}) == ("B", "hit")            # a tie: the less busy
+
+
+def test_state_counts_decisions_and_requests_in_flight() -> None:
+    state = RouterState()
+    state.set_replicas(["A", "B"])
+    assert state.decide("r1", "what is a list?", state.loads(["A", "B"])) is None     # nothing cached yet
+    state.routed_to("r1", "A", "what is a list?")
+    assert state.loads(["A", "B"]) == {"A": 1, "B": 0}
+    assert state.decide("r2", "what is a list?", state.loads(["A", "B"])) == "A"
+    state.routed_to("r2", "B", "what is a list?")                   # Serve sent it elsewhere (A rejected it)
+    state.completed("r1")
+    state.completed("r2")
+    state.completed("never-routed")
+    assert state.loads(["A", "B"]) == {"A": 0, "B": 0}
+    state.routed_to("r3", "A", None)                                # unrouted calls (health) are not counted
+    assert state.snapshot() == {"hit": 0, "miss": 1, "busy": 1}
+    state.set_replicas(["B"])                                       # A died: its cache went with it
+    assert state.table.match("what is a list?", ["A", "B"]) == {"B": len("what is a list?")}
+
+
+def test_metrics_of_replicas_are_summed() -> None:
+    one, two = ServiceMetrics(lambda: (1, 2)), ServiceMetrics(lambda: (3, 0))
+    stats = DecodeStats(steps=4, new_tokens=10, prompt_tokens=7, cached_prompt_tokens=5)
+    one.record("chat", stats, 0.3)
+    two.record("chat", stats, 1.2)
+    two.failed("docqa", "429")
+    merged = merge_metrics([one.render(), two.render()]) + router_metrics({"hit": 3, "miss": 1, "busy": 0})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(merged.decode()) for s in family.samples}
+    assert samples[("rasd:generation_tokens_total", ())] == 20
+    assert samples[("rasd:prefix_cache_hits_total", ())] == 10
+    assert samples[("rasd:requests_total", (("endpoint", "chat"), ("outcome", "ok")))] == 2
+    assert samples[("rasd:requests_total", (("endpoint", "docqa"), ("outcome", "429")))] == 1
+    assert samples[("rasd:num_requests_running", ())] == 4
+    assert samples[("rasd:request_latency_seconds_count", (("endpoint", "chat"),))] == 2
+    assert samples[("rasd:router_requests_total", (("outcome", "hit"),))] == 3
+    assert not any(name.endswith("_created") for name, _ in samples if name.startswith("rasd:generation"))
+    assert merge_metrics([]) == b""
+
