@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -33,7 +34,7 @@ from rasd.decoding.proposers.recycling import matrix_path
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.scheduler import STALL_S, Overloaded, Scheduler
 from rasd.decoding.sizing.sizers import CostAwareSizer
-from rasd.distributed.draft_worker import DraftPool, check_spec, worker_spec
+from rasd.distributed.draft_worker import NAME_PREFIX, DraftPool, check_spec, worker_spec
 from rasd.errors import ApiError
 from rasd.serve.metrics import ServiceMetrics
 from rasd.text import encode_chat, has_chat_template
@@ -263,8 +264,11 @@ class Service:
         """Named `rasd-draft-<i>` actors in namespace `rasd` (see rasd/distributed/draft_worker.py)."""
         spec = self.draft_worker_spec()
         check_spec(spec)
+        # one pool per replica: with several, each names its workers apart (rasd-draft-<tag>-<i>)
+        prefix = NAME_PREFIX if self.config.replicas <= 1 else f"{NAME_PREFIX}-{uuid.uuid4().hex[:6]}"
         return DraftPool(spec, self.config.draft_workers, self.config.draft_worker_options,
-                         device=self.config.device, dtype=self.config.dtype, timeout_s=self.config.draft_timeout_s)
+                         device=self.config.device, dtype=self.config.dtype, timeout_s=self.config.draft_timeout_s,
+                         name_prefix=prefix)
 
     # ------------------------------------------------------------------ validation
     def check_model(self, name: str | None) -> None:
