@@ -110,8 +110,11 @@ def build_app(args: dict[str, Any] | None = None, replica_cpus: float | None = N
     # a replica gets as many CPUs as it runs threads (Ray would otherwise pin it to one, OMP_NUM_THREADS=1);
     # with a verifier actor the replica only serves HTTP, and the actor sets its torch threads itself
     cpus = replica_cpus if replica_cpus is not None else 0 if args.get("verifier_actor") else threads
-    replicas = RasdServer.options(num_replicas=int(args.get("replicas") or 1), ray_actor_options={"num_cpus": cpus},
-                                  request_router_config=router_config(args.get("router")))
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": cpus},
+                               "request_router_config": router_config(args.get("router"))}
+    if int(args.get("replicas") or 1) > 1:      # else Serve's default, which serve_config.yaml may override
+        options["num_replicas"] = int(args["replicas"])
+    replicas = RasdServer.options(**options)
     return RasdIngress.bind(replicas.bind(args), args)
 
 

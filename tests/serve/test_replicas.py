@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,6 +85,11 @@ def busy(client: httpx.Client, prompt: str) -> Iterator[str]:
     finally:
         stop.set()
         thread.join(120)
+    # the client left: the ingress cancels the replica's generator, and the request leaves the batch
+    deadline = time.monotonic() + 60
+    while client.get("/healthz").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert client.get("/healthz").json()["running"] == 0, "a stream whose client left kept decoding"
 
 
 def on_both(client: httpx.Client, path: str, body: dict[str, Any], route: str) -> dict[str, dict[str, Any]]:
