@@ -197,13 +197,15 @@ class RouterState:
 ROUTER_STATE = RouterState()
 
 
-def _router_base() -> tuple[type, ...]:
-    from ray.serve.request_router import FIFOMixin, RequestRouter
+def _router_base() -> type:
+    """Serve's RequestRouter alone: its default matches a chosen replica to the request it was chosen for
+    (the FIFO mixin would hand it to the oldest waiting request instead, whatever that one's prefix)."""
+    from ray.serve.request_router import RequestRouter
 
-    return FIFOMixin, RequestRouter
+    return RequestRouter
 
 
-class PrefixAffinityRouter(*_router_base()):  # type: ignore[misc]
+class PrefixAffinityRouter(_router_base()):  # type: ignore[misc]
     """Ray Serve request router: a request with a `route` keyword (its prompt's text) goes to the replica
     holding the longest prefix of it (`choose`), the others to the least loaded replica."""
 
