@@ -180,18 +180,26 @@ class RasdServer:
         return self._answer(await self._generate(endpoint, body, prepared, chat=endpoint == "chat"))
 
     async def stream(self, endpoint: str, body: Any, route: str | None = None) -> AsyncIterator[str]:
-        """This replica's id once the request is admitted, then the response's server-sent-event lines."""
+        """This replica's id once the request is admitted, then the response's server-sent-event lines.
+        Closed early (the client left), every choice's request leaves the batch."""
         prepared = await self._prepare(endpoint, body)
-        if isinstance(body, DocQARequest):
-            events = await _admitted(self.service.events(prepared, sourced=True))
-            lines = self._docqa_stream(prepared, events)
-        else:
-            streams = [await _admitted(self.service.events(p)) for p in self.service.choices(prepared, body.n)]
-            lines = self._sse(endpoint, prepared, endpoint == "chat", streams, body)
-        yield self.replica_id
-        async with contextlib.aclosing(lines) as opened:
-            async for line in opened:
-                yield line
+        docqa = isinstance(body, DocQARequest)
+        choices = [prepared] if docqa else self.service.choices(prepared, body.n)
+        raw = [self.service.events(p, sourced=docqa) for p in choices]
+        try:
+            streams = [await _admitted(events) for events in raw]
+            if docqa:
+                lines = self._docqa_stream(prepared, streams[0])
+            else:
+                lines = self._sse(endpoint, prepared, endpoint == "chat", streams, body)
+            yield self.replica_id
+            async with contextlib.aclosing(lines) as opened:
+                async for line in opened:
+                    yield line
+        finally:
+            for events in raw:       # those never iterated (the client left before the first line) end here
+                with contextlib.suppress(RuntimeError):
+                    await events.aclose()
 
     async def documents(self, docs: list[dict[str, Any]], key: str | None) -> dict[str, Any]:
         try:
