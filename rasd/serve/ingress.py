@@ -9,6 +9,7 @@ cache already holds that prefix. Health and metrics are gathered from every repl
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,7 +29,7 @@ from rasd.serve.openai import (
     DocumentsRequest,
     error_body,
 )
-from rasd.serve.router import ROUTER_STATE
+from rasd.serve.router import shared_state
 from rasd.serve.service import ServeConfig
 from rasd.serve.web import static_file
 
@@ -64,6 +65,19 @@ def _unwrapped(exc: BaseException) -> BaseException:
 def chat_route(body: ChatRequest) -> str:
     """The text a chat's prefix is judged by: its messages in order, as the chat template lays them out."""
     return "".join(f"\x1e{m['role']}\x1f{m['content']}" for m in body.message_dicts())
+
+
+async def _relay(lines: Any, stream_id: str) -> AsyncIterator[str]:
+    """A replica's event lines to the client; a client that leaves cancels the replica's generator, and
+    with it the request's rows in the batch."""
+    try:
+        async for line in lines:
+            yield line
+    finally:
+        shared_state().stream_closed(stream_id)
+        with contextlib.suppress(Exception):
+            lines.cancel()
+
 
 
 @serve.deployment(name="RasdIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
@@ -120,12 +134,13 @@ class RasdIngress:
     @api.get("/v1/info")
     async def info(self) -> dict[str, Any]:
         info = await self._call(self.replicas.info.remote())
-        return {**info, "replicas": len(ROUTER_STATE.replicas) or 1}
+        states = await self._every_replica("health")
+        return {**info, "replicas": sum(isinstance(s, dict) for s in states)}
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
         texts = [t for t in await self._every_replica("metrics") if isinstance(t, bytes)]
-        return Response(merge_metrics(texts) + router_metrics(ROUTER_STATE.snapshot()), media_type=CONTENT_TYPE)
+        return Response(merge_metrics(texts) + router_metrics(shared_state().snapshot()), media_type=CONTENT_TYPE)
 
     # ------------------------------------------------------------------ generation
     @api.post("/v1/completions")
@@ -157,12 +172,15 @@ class RasdIngress:
         """Hand a request to a replica chosen by its prompt's prefix; a stream starts once it is admitted."""
         if not body.stream:
             return self._response(await self._call(self.replicas.complete.remote(endpoint, body, route=route)))
-        lines = self.replicas.options(stream=True).stream.remote(endpoint, body, route=route)
+        stream_id = uuid.uuid4().hex            # the router counts the stream in flight until it is closed
+        lines = self.replicas.options(stream=True).stream.remote(endpoint, body, route=route, stream_id=stream_id)
         try:
             replica = await lines.__anext__()
         except Exception as exc:     # noqa: BLE001 - the replica's refusal (429, 400) as its HTTP status
+            shared_state().stream_closed(stream_id)
             raise _unwrapped(exc) from None
-        return StreamingResponse(_relay(lines), media_type="text/event-stream", headers={REPLICA_HEADER: replica})
+        return StreamingResponse(_relay(lines, stream_id), media_type="text/event-stream",
+                                 headers={REPLICA_HEADER: replica})
 
     @staticmethod
     async def _call(response: Any) -> Any:
@@ -182,14 +200,3 @@ class RasdIngress:
             return await asyncio.wait_for(response.results_async(return_exceptions=True), STATE_TIMEOUT_S)
         except Exception as exc:     # noqa: BLE001 - no replica up yet, or none answered in time
             return [exc]
-
-
-async def _relay(lines: Any) -> AsyncIterator[str]:
-    """A replica's event lines to the client; a client that leaves cancels the replica's generator, and
-    with it the request's rows in the batch."""
-    try:
-        async for line in lines:
-            yield line
-    finally:
-        with contextlib.suppress(Exception):
-            lines.cancel()

@@ -100,13 +100,11 @@ def merge_metrics(texts: list[bytes]) -> bytes:
 
 def router_metrics(decisions: dict[str, int]) -> bytes:
     """The prefix-aware router's decisions (`serve.router`): hit / (hit + miss + busy) is its hit rate."""
-    registry = CollectorRegistry()
-    counter = Counter("rasd:router_requests", "Requests routed by prompt prefix, by outcome: hit (sent to the "
-                      "replica holding its prefix), miss (no replica held it), busy (that replica was too busy)",
-                      ["outcome"], registry=registry)
-    for outcome, count in decisions.items():
-        counter.labels(outcome=outcome).inc(count)
-    return generate_latest(registry)
+    name = "rasd:router_requests_total"
+    lines = [f"# HELP {name} Requests routed by prompt prefix, by outcome: hit (sent to the replica holding its "
+             "prefix), miss (no replica held it), busy (that replica was too busy)", f"# TYPE {name} counter"]
+    lines += [f'{name}{{outcome="{outcome}"}} {_number(count)}' for outcome, count in decisions.items()]
+    return ("\n".join(lines) + "\n").encode()
 
 
 def _labels(labels: tuple[tuple[str, str], ...]) -> str:

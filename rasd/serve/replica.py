@@ -5,6 +5,7 @@ Why apart from the HTTP layer: Serve routes a handle call after its arguments ex
 sees the prompt (`route=`) and can send it to the replica whose prefix cache already holds it; an HTTP request
 is routed before its body is read. Like `ray.serve.llm`'s ingress and LLM server.
 
+`route` and `stream_id` are for the router (`serve.router`), not used here.
 Every call answers {"replica": id, "body": ...}; a streaming call yields the replica's id first, once the
 request is admitted (a 429 or a bad field is an exception before it, which the ingress turns into an HTTP
 status), then server-sent-event lines.
@@ -179,7 +180,8 @@ class RasdServer:
             return self._answer(await self._docqa(body, prepared))
         return self._answer(await self._generate(endpoint, body, prepared, chat=endpoint == "chat"))
 
-    async def stream(self, endpoint: str, body: Any, route: str | None = None) -> AsyncIterator[str]:
+    async def stream(self, endpoint: str, body: Any, route: str | None = None,
+                     stream_id: str | None = None) -> AsyncIterator[str]:
         """This replica's id once the request is admitted, then the response's server-sent-event lines.
         Closed early (the client left), every choice's request leaves the batch."""
         prepared = await self._prepare(endpoint, body)

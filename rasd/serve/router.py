@@ -10,12 +10,14 @@ prefix"; every key remembers the replicas that were sent it, and the tails (shor
 followed it, so prefixes match to the character; least recently used keys are dropped first.
 `PrefixAffinityRouter` is the Ray Serve request router around it: the replica holding the longest prefix,
 unless it has `imbalance` more requests in flight than the least loaded one; everything else goes to the
-least loaded. The ingress reads the decision counters (`ROUTER_STATE.snapshot()`) for `/metrics`.
+least loaded. The ingress reads the decision counters (`shared_state().snapshot()`) for `/metrics`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import random
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -138,6 +140,7 @@ class RouterState:
         self.lock = threading.Lock()
         self.in_flight: dict[str, int] = {}
         self.routed: dict[str, str] = {}                          # internal request id -> replica
+        self.streams: dict[str, str] = {}                         # open stream's id -> replica
         self.decided: dict[str, tuple[str, str | None]] = {}      # internal request id -> (outcome, replica)
         self.decisions = {"hit": 0, "miss": 0, "busy": 0}
         self.replicas: list[str] = []
@@ -156,11 +159,17 @@ class RouterState:
             self.decided[request_id] = (outcome, chosen)
         return chosen
 
-    def routed_to(self, request_id: str, replica: str, route: str | None) -> None:
-        """A request went to `replica`: count it in flight; its route's prefixes are that replica's now."""
+    def routed_to(self, request_id: str, replica: str, route: str | None, stream: str | None = None) -> None:
+        """A request went to `replica`: count it in flight; its route's prefixes are that replica's now.
+
+        A stream (`stream`: an id its caller chose) counts until its caller says `stream_closed`: Serve calls
+        a streaming request complete long before its last chunk."""
         with self.lock:
             self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
-            self.routed[request_id] = replica
+            if stream is None:
+                self.routed[request_id] = replica
+            else:
+                self.streams[stream] = replica
             outcome, chosen = self.decided.pop(request_id, ("miss", None))
             if route:
                 self.decisions["busy" if outcome == "hit" and replica != chosen else outcome] += 1
@@ -169,9 +178,16 @@ class RouterState:
 
     def completed(self, request_id: str) -> None:
         with self.lock:
-            replica = self.routed.pop(request_id, None)
-            if replica is not None:
-                self.in_flight[replica] = max(0, self.in_flight.get(replica, 0) - 1)
+            self._release(self.routed.pop(request_id, None))
+
+    def stream_closed(self, stream: str) -> None:
+        """The caller is done with a stream (its last chunk, an error, or a client that left)."""
+        with self.lock:
+            self._release(self.streams.pop(stream, None))
+
+    def _release(self, replica: str | None) -> None:
+        if replica is not None:
+            self.in_flight[replica] = max(0, self.in_flight.get(replica, 0) - 1)
 
     def set_replicas(self, replicas: list[str]) -> None:
         """The replicas Serve runs now; the caches of those gone went with them."""
@@ -197,6 +213,12 @@ class RouterState:
 ROUTER_STATE = RouterState()
 
 
+def shared_state() -> RouterState:
+    """This process's one `RouterState`, from the imported module: Serve unpickles the router class by value,
+    once per handle, and a copy's own module globals would give each router a state of its own."""
+    return importlib.import_module("rasd.serve.router").ROUTER_STATE
+
+
 def _router_base() -> type:
     """Serve's RequestRouter alone: its default matches a chosen replica to the request it was chosen for
     (the FIFO mixin would hand it to the oldest waiting request instead, whatever that one's prefix)."""
@@ -211,27 +233,29 @@ class PrefixAffinityRouter(_router_base()):  # type: ignore[misc]
 
     def initialize_state(self, imbalance: int = IMBALANCE, max_keys: int = MAX_KEYS,
                          block_chars: int = BLOCK_CHARS) -> None:
-        ROUTER_STATE.configure(imbalance, max_keys, block_chars)
+        shared_state().configure(imbalance, max_keys, block_chars)
 
     def update_replicas(self, replicas: list[Any]) -> None:
         super().update_replicas(replicas)
-        ROUTER_STATE.set_replicas([r.replica_id.unique_id for r in replicas])
+        shared_state().set_replicas([r.replica_id.unique_id for r in replicas])
 
     async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
+        """Ranks of one replica each, best first: Serve takes the first that has room. One replica per rank,
+        because within a rank Serve picks by its own queue-length cache, which counts a stream as done once
+        it has started."""
+        state = shared_state()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = ROUTER_STATE.loads(by_id)
-        ranked = sorted(candidate_replicas, key=lambda r: loads[r.replica_id.unique_id])
+        loads = state.loads(by_id)
+        ranked = sorted(candidate_replicas, key=lambda r: (loads[r.replica_id.unique_id], random.random()))
         route = None if pending_request is None else pending_request.kwargs.get("route")
-        if not route:
-            return [ranked]
-        chosen = ROUTER_STATE.decide(pending_request.metadata.internal_request_id, route, loads)
-        if chosen is None:
-            return [ranked]
-        return [[by_id[chosen]], [r for r in ranked if r.replica_id.unique_id != chosen]]
+        chosen = state.decide(pending_request.metadata.internal_request_id, route, loads) if route else None
+        first = [] if chosen is None else [by_id[chosen]]
+        return [[r] for r in first + [r for r in ranked if r.replica_id.unique_id != chosen]]
 
     def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
-        ROUTER_STATE.routed_to(pending_request.metadata.internal_request_id, replica_id.unique_id,
-                               pending_request.kwargs.get("route"))
+        kwargs = pending_request.kwargs
+        shared_state().routed_to(pending_request.metadata.internal_request_id, replica_id.unique_id,
+                                 kwargs.get("route"), kwargs.get("stream_id"))
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
-        ROUTER_STATE.completed(internal_request_id)
+        shared_state().completed(internal_request_id)
