@@ -18,6 +18,10 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled whole: a replica's refusal crosses Ray to the ingress and keeps its HTTP status."""
+        return type(self), (self.status, self.message, self.type, self.param)
+
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.status)
 

@@ -42,8 +42,9 @@ def test_verifier_flags_reach_the_config_and_imply_the_actor() -> None:
     with pytest.raises(CliError, match=">= 0"):
         config("--verifier-gpus", "-1")
     # the CPUs go to the process that decodes: the verifier actor, not the HTTP replica
-    cpus = [build_app({"verifier_actor": actor, "threads": 2})._bound_deployment.ray_actor_options["num_cpus"]
-            for actor in (True, False)]
+    replicas = [build_app({"verifier_actor": actor, "threads": 2})._bound_deployment.init_args[0]._bound_deployment
+                for actor in (True, False)]     # the app is the ingress bound to the model replicas
+    cpus = [d.ray_actor_options["num_cpus"] for d in replicas]
     assert cpus == [0, 2]
 
 
