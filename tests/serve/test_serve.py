@@ -392,7 +392,9 @@ def test_a_ray_started_for_the_service_runs_serve_quietly(monkeypatch: pytest.Mo
     import subprocess
 
     from rasd.serve import app as serve_mod
+    from rasd.serve.loopback import build_shim
 
+    build_shim()     # compiled for real first: the fake below replaces subprocess.run everywhere
     calls: list[tuple[list[str], dict[str, Any]]] = []
 
     def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
