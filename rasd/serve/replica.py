@@ -163,8 +163,7 @@ class RasdServer:
                 "waiting": waiting, "index": None if service.index is None else str(service.index.root),
                 "torch_threads": None if service.scheduler is None else service.scheduler.loop_threads,
                 "omp": os.environ.get("OMP_NUM_THREADS"),
-                "verifier": None if service.verifier is None else service.verifier.name,
-                "started": self.service.started}
+                "verifier": None if service.verifier is None else service.verifier.name}
 
     async def info(self) -> dict[str, Any]:
         return self.service.info()
