@@ -141,3 +141,25 @@ def test_serve_config_checks_its_limits() -> None:
         check_config({"prefix_cache_mb": -5})
     with pytest.raises(ValueError, match="unknown serve config keys: modle"):
         check_config({"modle": "default"})
+
+
+def test_stop_waits_for_serve_only_as_long_as_its_bound() -> None:
+    """`rasd serve --stop` gives Serve's drain a bound (a replica in a long ingest kept it waiting minutes):
+    a call that returns in time is True, one that hangs is False after the bound, one that raises is True
+    (it is over; the error is printed)."""
+    import threading
+    import time
+
+    from rasd.serve.app import within
+
+    release = threading.Event()
+    start = time.perf_counter()
+    assert within(lambda: None, 5.0)
+    assert not within(lambda: release.wait(30), 0.3)
+    assert time.perf_counter() - start < 5.0
+    release.set()
+
+    def fails() -> None:
+        raise RuntimeError("controller gone")
+
+    assert within(fails, 5.0)

@@ -131,7 +131,7 @@ def config_from_args(args: Any) -> dict[str, Any]:
             "dtype": args.dtype, "graphs": not getattr(args, "no_graphs", False), "method": args.method,
             "docqa_method": args.docqa_method,
             "max_batch": args.max_batch, "prefill_chunk": getattr(args, "prefill_chunk", 0),
-            "prefix_cache_mb": getattr(args, "prefix_cache_mb", 256),
+            "prefix_cache_mb": getattr(args, "prefix_cache_mb", 1024),
             "history_mb": getattr(args, "history_mb", 64),
             "max_waiting": args.max_waiting, "max_tokens_limit": args.max_tokens_limit,
             "api_key": _cli_api_key(args.api_key), "limits": _cli_limits(getattr(args, "limit", None)),
@@ -331,17 +331,47 @@ def ensure_local_cluster(ray_host: str = LOOPBACK, http_host: str = LOOPBACK, ht
         raise CliError(f"could not start a local Ray cluster: {started.stderr.strip().splitlines()[-1:]}")
 
 
-def stop_detached() -> int:
+STOP_TIMEOUT_S = 30.0   # how long `rasd serve --stop` waits for Serve to drain before stopping Ray anyway
+
+
+def within(fn: Any, timeout_s: float) -> bool:
+    """Run `fn` on a daemon thread; True when it returned (or raised) within `timeout_s`.
+
+    Why: `serve.shutdown()` waits for every replica to drain, and a replica busy in a long ingest kept
+    `rasd serve --stop` waiting for minutes. Past the bound the caller stops Ray, which ends the replicas.
+    """
+    import threading
+
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as exc:    # noqa: BLE001 - reported, and the caller stops Ray either way
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="rasd-stop").start()
+    return done.wait(timeout_s)
+
+
+def stop_detached(timeout_s: float = STOP_TIMEOUT_S) -> int:
     import ray
 
     if is_single_machine():
         single_machine_ray()
+    drained = True
     try:
         ray.init(address="auto", log_to_driver=False)
-        serve.shutdown()
-        ray.shutdown()
     except (ConnectionError, RuntimeError) as exc:
         print(f"no running service found ({exc})", file=sys.stderr)
-    subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True)
+    else:
+        drained = within(serve.shutdown, timeout_s)
+        if not drained:
+            print(f"the service did not shut down within {timeout_s:.0f} s (a replica busy, e.g. ingesting); "
+                  "stopping its Ray cluster", file=sys.stderr)
+        within(ray.shutdown, 10.0)
+    subprocess.run([_ray_cli(), "stop", *([] if drained else ["--force"])], capture_output=True, text=True)
     print("stopped")
     return 0

@@ -32,7 +32,7 @@ def register(subparsers: Any) -> Any:
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="prefill a request that joins running ones this many prompt tokens per step (0: at once)")
-    p.add_argument("--prefix-cache-mb", type=int, default=256,
+    p.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="keep the K/V of prompt prefixes (system prompt, chat history) for later requests, up to "
                         "this many MiB (0: off)")
     p.add_argument("--history-mb", type=int, default=64,

@@ -58,7 +58,7 @@ class ServeConfig:
     docqa_method: str = "rasd"            # default for /v1/docqa
     max_batch: int = 8                    # requests decoded together (one shared forward per step)
     prefill_chunk: int = 0                # > 0: a joining request is prefilled this many tokens per step
-    prefix_cache_mb: int = 256            # K/V of prompt prefixes kept for later requests (0: off)
+    prefix_cache_mb: int = 1024           # K/V of prompt prefixes kept for later requests (0: off)
     warm_methods: bool = True             # decode a few tokens of every method at start (`Service._warm_methods`)
     history_mb: int = 64                  # earlier answers kept as a drafting source (`history`; 0: off)
     max_waiting: int = 16                 # queued beyond the batch; more gets 429

@@ -189,6 +189,26 @@ def test_estimator_only_counts_tried_nodes_and_decays_to_prior() -> None:
     assert est.rate(keys[1]) == pytest.approx(est.prior[0] / sum(est.prior), abs=0.02)
 
 
+def test_untried_depth_starts_from_the_shallower_depths_rate() -> None:
+    """A source right at depths 1-3 whose depth 4 was never verified: depth 4 is guessed from depth 3, not
+    from the 0.4 prior, so a sizer tries it (otherwise it would stay untried for good); once depth 4 is
+    tried and rejected, its own evidence wins."""
+    est = AcceptanceEstimator(thompson=False)
+    short, long = chain(3, score=1.0), chain(6, score=1.0)
+    for _ in range(40):
+        est.update(short, [1, 2, 3])
+    keys = est.node_keys(long)
+    prior_mean = est.prior[0] / sum(est.prior)
+    assert keys[4] not in est.counts
+    assert est.rate(keys[3]) > 0.9
+    assert est.rate(keys[4]) > 0.9 and est.rate(keys[6]) > 0.9
+    assert AcceptanceEstimator(thompson=False).rate(keys[4]) == pytest.approx(prior_mean)
+    for _ in range(40):
+        est.update(long, [1, 2, 3])   # depth 4 tried and rejected every time
+    assert est.rate(keys[4]) < 0.2
+    assert est.rate(keys[3]) > 0.9
+
+
 def test_thompson_samples_vary_around_the_mean() -> None:
     est = AcceptanceEstimator(thompson=True, seed=3)
     key = est.node_keys(chain(1))[1]

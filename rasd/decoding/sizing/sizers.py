@@ -89,14 +89,33 @@ class AcceptanceEstimator:
         `rasd` on LongBench QA: 1181 recycled nodes verified, 44 accepted, trees 1.8x larger than needed).
         """
         pa, pb = self.prior
-        coarse = self.counts.get(coarse_key(key), [pa, pb])
-        mean = coarse[0] / (coarse[0] + coarse[1])
+        mean = self.coarse_rate(key[0], key[1])
         a_f, b_f = self.counts.get(key, [pa, pb])
         a = a_f - pa + (pa + pb) * mean
         b = b_f - pb + (pa + pb) * (1.0 - mean)
         if self.thompson:
             return self._rng.betavariate(a, b)
         return a / (a + b)
+
+    def coarse_rate(self, source: str, depth: int) -> float:
+        """The (source, depth) bucket's posterior mean, shrunk toward the prior mean or, when higher, the same
+        source's rate one level shallower.
+
+        Why: a depth that the sizer has never verified kept the prior's 0.4, so its nodes ranked below what
+        was already verified and were never tried. A source right at depths 1-3 (an answer repeated from the
+        response history: 0.94 each) was held at 3-node trees and its depth-4+ buckets stayed untried for the
+        whole request. Never below the prior: given its parent was accepted, a node is usually *more* likely
+        accepted than its parent was (a copy that matched goes on), so a low shallow rate says little about
+        the next depth, and guessing low would stop a source from being tried at all.
+        """
+        pa, pb = self.prior
+        prior_mean = mean = pa / (pa + pb)
+        for d in range(1, depth + 1):
+            target = max(prior_mean, mean)
+            a_c, b_c = self.counts.get((source, d), (pa, pb))
+            a, b = a_c - pa + (pa + pb) * target, b_c - pb + (pa + pb) * (1.0 - target)
+            mean = a / (a + b)
+        return mean
 
     def node_keys(self, tree: DraftTree) -> list[Key | None]:
         """The bucket of every node (None for the root)."""
