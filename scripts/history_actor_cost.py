@@ -77,8 +77,8 @@ def main() -> None:
     remote = timed(lambda c: ray.get(actor.lookup.remote(c[-24:])), items)
     assert all(store.lookup(c, 32, 16).length == ray.get(actor.lookup.remote(c[-24:]))[0] for c in items[:20])
     print(f"{args.answers} answers of {args.length} tokens, {args.calls} lookups")
-    print(f"in-process lookup: median {statistics.median(local):.3f} ms, p90 {sorted(local)[int(0.9 * len(local))]:.3f} ms")
-    print(f"Ray actor lookup:  median {statistics.median(remote):.3f} ms, p90 {sorted(remote)[int(0.9 * len(remote))]:.3f} ms")
+    for name, times in (("in-process lookup", local), ("Ray actor lookup ", remote)):
+        print(f"{name}: median {statistics.median(times):.3f} ms, p90 {sorted(times)[int(0.9 * len(times))]:.3f} ms")
     ray.shutdown()
 
 
