@@ -80,8 +80,9 @@ class AcceptanceEstimator:
         confidence = min(int(local * 4), 3)
         return (tree.sources[node], min(depth, self.max_depth), min(rank, self.max_rank), confidence, tree.bucket)
 
-    def rate(self, key: Key) -> float:
-        """A posterior sample (or the mean when `thompson` is off).
+    def rate(self, key: Key, coarse: list[float] | None = None) -> float:
+        """A posterior sample (or the mean when `thompson` is off); `coarse`: `coarse_rates(key[0])`, when the
+        caller already has them.
 
         The fine bucket's own evidence is shrunk toward its (source, depth) bucket's rate, not toward the
         fixed prior: fine buckets are many and most are rarely tried, and a prior of 0.4 for each of them let
@@ -89,7 +90,7 @@ class AcceptanceEstimator:
         `rasd` on LongBench QA: 1181 recycled nodes verified, 44 accepted, trees 1.8x larger than needed).
         """
         pa, pb = self.prior
-        mean = self.coarse_rate(key[0], key[1])
+        mean = (coarse if coarse is not None else self.coarse_rates(key[0]))[key[1]]
         a_f, b_f = self.counts.get(key, [pa, pb])
         a = a_f - pa + (pa + pb) * mean
         b = b_f - pb + (pa + pb) * (1.0 - mean)
@@ -97,9 +98,9 @@ class AcceptanceEstimator:
             return self._rng.betavariate(a, b)
         return a / (a + b)
 
-    def coarse_rate(self, source: str, depth: int) -> float:
-        """The (source, depth) bucket's posterior mean, shrunk toward the prior mean or, when higher, the same
-        source's rate one level shallower.
+    def coarse_rates(self, source: str) -> list[float]:
+        """Per depth 0..max_depth, the (source, depth) bucket's posterior mean, shrunk toward the prior mean
+        or, when higher, the same source's rate one level shallower (index 0, the root: the prior mean).
 
         Why: a depth that the sizer has never verified kept the prior's 0.4, so its nodes ranked below what
         was already verified and were never tried. A source right at depths 1-3 (an answer repeated from the
@@ -109,13 +110,14 @@ class AcceptanceEstimator:
         the next depth, and guessing low would stop a source from being tried at all.
         """
         pa, pb = self.prior
-        prior_mean = mean = pa / (pa + pb)
-        for d in range(1, depth + 1):
-            target = max(prior_mean, mean)
+        prior_mean = pa / (pa + pb)
+        means = [prior_mean]
+        for d in range(1, self.max_depth + 1):
+            target = max(prior_mean, means[-1])
             a_c, b_c = self.counts.get((source, d), (pa, pb))
             a, b = a_c - pa + (pa + pb) * target, b_c - pb + (pa + pb) * (1.0 - target)
-            mean = a / (a + b)
-        return mean
+            means.append(a / (a + b))
+        return means
 
     def node_keys(self, tree: DraftTree) -> list[Key | None]:
         """The bucket of every node (None for the root)."""
@@ -132,12 +134,15 @@ class AcceptanceEstimator:
         """p̂ for every node: product of the sampled conditional rates along its path (root = 1)."""
         keys = self.node_keys(tree)
         rates: dict[Key, float] = {}
+        coarse: dict[str, list[float]] = {}      # per source, computed once per tree
         probs = [1.0] * len(tree)
         for i in range(1, len(tree)):
             k = keys[i]
             assert k is not None
             if k not in rates:
-                rates[k] = self.rate(k)
+                if k[0] not in coarse:
+                    coarse[k[0]] = self.coarse_rates(k[0])
+                rates[k] = self.rate(k, coarse[k[0]])
             probs[i] = probs[tree.parents[i]] * rates[k]
         return probs
 
