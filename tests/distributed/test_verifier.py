@@ -131,7 +131,11 @@ def test_a_dead_verifier_is_restarted_and_greedy_requests_survive_it(
     folder, root = setup
     service = Service(ServeConfig(model=folder, index=str(root), threads=1, verifier_actor=True, max_batch=1))
     greedy = request(TOPICS["rockets"][:60], 150, "ar")
-    sampled = CompletionRequest(prompt=greedy.prompt, max_tokens=150, method="ar", temperature=1.0)
+    # EOS banned, so the sampled request is still streaming when the verifier dies (an unseeded sample once
+    # ended after 6 tokens, before the kill, and came out whole instead of as a 503)
+    no_eos = {str(t): -100.0 for t in service.target.eos_token_ids}
+    sampled = CompletionRequest(prompt=greedy.prompt, max_tokens=150, method="ar", temperature=1.0,
+                                logit_bias=no_eos)
     try:
         reference = run(service, greedy)
         handle = verifier_handle(service.verifier.name)
