@@ -15,8 +15,9 @@ import pytest
 import torch
 
 # Read-mostly parts of $RASD_HOME that are expensive to build (the converted embedded model, sample and
-# benchmark indexes, trained exit layers, cached self-generations): linked from the real home, built once.
-SHARED_HOME_PARTS = ("models", "indexes", "bench-indexes", "eesd", "ldlp", "selfgen")
+# benchmark indexes, trained exit layers, the embedded model's cached self-generations): linked from the real
+# home, built once. Only the embedded model's `selfgen` folder: tiny test models' would pile up in the real home.
+SHARED_HOME_PARTS = ("models", "indexes", "bench-indexes", "eesd", "ldlp", "selfgen/default")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,6 +34,7 @@ def rasd_home_for_tests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
     home = tmp_path_factory.mktemp("rasd_home")
     for part in SHARED_HOME_PARTS:
         (real / part).mkdir(parents=True, exist_ok=True)
+        (home / part).parent.mkdir(parents=True, exist_ok=True)
         (home / part).symlink_to(real / part, target_is_directory=True)
     os.environ["RASD_HOME"] = str(home)
     try:

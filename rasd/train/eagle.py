@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from rasd.decoding.eagle import EagleHead, save_head
-from rasd.decoding.features import FinalNormTap
+from rasd.decoding.features import FinalNormTap, final_norm
 from rasd.train.common import greedy_continuations, model_fingerprint, write_json
 
 DEPTHS = 4
@@ -57,21 +57,79 @@ def conversation_ids(tokenizer: Any, rows: list[dict], seq_len: int, min_len: in
     return out
 
 
-def regenerated_ids(target: Any, rows: list[dict], gen_tokens: int, cache: Path | None, window: int = 32,
-                    batch: int = 32) -> list[list[int]]:
-    """The target's greedy answers to each conversation's first turn: a `window`-token prompt (the turn's end
-    through the chat template) + up to `gen_tokens` new tokens, cut after the first EOS. Cached (`selfgen`)."""
-    from rasd.train.common import _prompt_of, greedy_continuations, prompt_windows
+def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path | None, window: int = 32,
+                     batch: int = 128) -> dict[str, Any]:
+    """The target's greedy answers to each conversation's first turn, with their features (EAGLE-3's data).
+
+    Each answer is a `window`-token prompt (the turn's end through the chat template) + up to `gen_tokens`
+    new tokens, cut after the first EOS. The final-norm features are taken from the generation's own forwards
+    (a hook), so no second teacher pass runs: on this CPU generation is the cost (≈ 150 tokens/s at batch
+    128), the pass would add half as much again. Cached (`selfgen`) per `batch` prompts, so a run on more
+    conversations reuses a smaller run's answers and an interrupted run resumes.
+    Returns what `extract_features` does: {"tokens": [list], "feats": [fp16 [n_i, H]], "counts": [vocab]}.
+    """
+    from rasd.train.common import _prompt_of, prompt_windows
 
     prompts = [p for p in (_prompt_of(r) for r in rows) if p]
     windows = prompt_windows(target.tokenizer, prompts, window)
     eos = sorted(set(target.eos_token_ids or ()))
-    seqs = greedy_continuations(target.model, windows, gen_tokens, batch, eos, cache, desc="regenerating answers")
-    out = []
-    for seq in seqs.tolist():
-        stop = next((i for i in range(window, len(seq)) if seq[i] in eos), len(seq) - 1)
-        out.append(seq[: stop + 1])
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    out: dict[str, Any] = {"tokens": [], "feats": [], "counts": torch.zeros(vocab, dtype=torch.long)}
+    for s in tqdm(range(0, len(windows), batch), desc=f"answers with features ({batch} a chunk)", unit="chunk"):
+        part = _answers_chunk(target.model, windows[s: s + batch], gen_tokens, eos, cache)
+        out["tokens"] += part["tokens"]
+        out["feats"] += part["feats"]
+        out["counts"] += part["counts"]
     return out
+
+
+def _answers_chunk(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: int, eos: list[int],
+                   cache: Path | None) -> dict[str, Any]:
+    """One chunk of `regenerated_data`, read from / written to the cache (written whole, atomically)."""
+    from rasd.train.common import generation_key
+
+    key = generation_key(model, windows, gen_tokens, eos)
+    file = cache / f"{key}-features.pt" if cache is not None else None
+    data = _read_shard(file, len(windows))
+    if data is not None:
+        return data
+    data = _generate_with_features(model, windows, gen_tokens, eos)
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, file.with_name(file.name + ".tmp"))
+        file.with_name(file.name + ".tmp").replace(file)
+    return data
+
+
+@torch.no_grad()
+def _generate_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: int, eos: list[int]
+                            ) -> dict[str, Any]:
+    """Greedy answers [K, P + G'] and the final-norm output of every forward of the generation.
+
+    The prefill gives the prompt's P features, each step one more: P + G' - 1 in all (the last token is
+    never forwarded, so an answer without EOS loses its last token). Greedy-token counts: the next token of
+    every answer position, the LM head's argmax over the prompt's features."""
+    collected: list[torch.Tensor] = []
+    handle = final_norm(model).register_forward_hook(lambda _m, _a, out: collected.append(out.half().cpu()))
+    device = next(model.parameters()).device
+    try:
+        seq = model.generate(windows.to(device), attention_mask=torch.ones_like(windows).to(device),
+                             max_new_tokens=gen_tokens, do_sample=False, eos_token_id=eos or None,
+                             pad_token_id=eos[0] if eos else 0).cpu()
+    finally:
+        handle.remove()
+    feats = torch.cat(collected, dim=1)                                            # [K, P + G' - 1, H]
+    p, vocab = windows.shape[1], model.get_output_embeddings().weight.shape[0]
+    prompt_greedy = model.get_output_embeddings()(feats[:, : p - 1].to(device).float()).argmax(-1).cpu()
+    counts = torch.bincount(prompt_greedy.reshape(-1), minlength=vocab)[:vocab]
+    tokens, kept = [], []
+    for i, row in enumerate(seq.tolist()):
+        stop = next((j for j in range(p, len(row)) if row[j] in eos), len(row) - 1)
+        n = min(stop + 1, feats.shape[1])
+        tokens.append(row[:n])
+        kept.append(feats[i, :n].clone())
+        counts += torch.bincount(torch.tensor(row[p:n]), minlength=vocab)[:vocab]
+    return {"tokens": tokens, "feats": kept, "counts": counts}
 
 
 def sequences_key(sequences: list[list[int]], salt: str = "") -> str:
@@ -428,14 +486,15 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     regen = getattr(args, "regenerate", 0)
+    folder = features_dir / model_fingerprint(target.model)
     if regen:
-        seqs = regenerated_ids(target, train_rows, regen, selfgen)
+        data = regenerated_data(target, train_rows, regen, selfgen)
     else:
         seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
+        data = extract_features(target.model, seqs, folder) if seqs else {"tokens": []}
+    seqs = data["tokens"]
     if not seqs:
         raise ValueError("no training conversation has 32 tokens")
-    folder = features_dir / model_fingerprint(target.model)
-    data = extract_features(target.model, seqs, folder)
     features_s = time.perf_counter() - t0
     eos = set(target.eos_token_ids or ())
     vocab = draft_vocabulary(data["counts"], args.draft_vocab, eos)

@@ -311,3 +311,26 @@ def test_training_time_test_lowers_the_depth_two_loss() -> None:
             _, parts = head_loss(head, ids, feats, torch.ones_like(ids, dtype=torch.bool), ttt=True)
         losses[ttt] = parts["ce2"]
     assert losses[True] < losses[False]
+
+
+def test_answers_with_features_match_a_teacher_forward_and_stop_after_eos() -> None:
+    """The regenerated training data takes its features from the generation's own forwards (no second
+    pass): they must be the teacher forward's features, every answer cut after its first EOS."""
+    from rasd.decoding.features import FinalNormTap
+    from rasd.train.eagle import _generate_with_features, _shard_features
+
+    target = tiny_llama(3)
+    windows = torch.randint(0, 96, (5, 8), generator=torch.Generator().manual_seed(5))
+    plain = target.generate(windows, attention_mask=torch.ones_like(windows), max_new_tokens=12, do_sample=False)
+    eos = int(plain[1, 8 + 3])            # row 1 writes it at its 4th new token (others may too, earlier or later)
+    data = _generate_with_features(target, windows, 12, [eos])
+    tap = FinalNormTap(target)
+    try:
+        ref = _shard_features(target, tap, data["tokens"], 8, 96)
+    finally:
+        tap.remove()
+    for toks, feats, want in zip(data["tokens"], data["feats"], ref["feats"], strict=True):
+        assert feats.shape == (len(toks), 64) and torch.allclose(feats.float(), want.float(), atol=2e-3)
+        assert eos not in toks[8:-1], "nothing after the first EOS"
+    assert len(data["tokens"][1]) <= 8 + 4 and data["tokens"][1][-1] == eos
+    assert int(data["counts"].sum()) == sum(len(t) - 1 for t in data["tokens"])
