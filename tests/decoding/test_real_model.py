@@ -133,3 +133,23 @@ def test_greedy_with_repetition_penalty_equals_hf(loaded: Any, method: str) -> N
         prompt, MAX_NEW, sampling=SamplingParams(repetition_penalty=1.15), eos_token_ids={EOS})
     assert out.token_ids == ref.tolist(), f"{method}: {out.token_ids} != {ref.tolist()}"
     print(f"{method} with repetition_penalty 1.15: {out.stats.summary()}")
+
+
+@needs_data
+@pytest.mark.parametrize("category", CATEGORIES)
+@pytest.mark.parametrize(("method", "options"), [("eagle", {}), ("rasd", {"head": "auto"})])
+def test_the_shipped_eagle_head_drafts_and_greedy_equals_hf(loaded: Any, references: dict[str, Any], category: str,
+                                                            method: str, options: dict[str, Any]) -> None:
+    """The head shipped in the package (`rasd/decoding/heads/`), as `eagle` and as `rasd`'s draft."""
+    from rasd.decoding.eagle import head_path
+
+    if category not in references:
+        pytest.skip(f"no {category} question in {QUESTIONS}")
+    if not head_path(loaded.name).exists():
+        pytest.skip("no EAGLE head for the embedded model")
+    prompt, ref = references[category]
+    decoder = build_decoder(loaded, method, sizing="fixed", max_nodes=8, **options)
+    out = decoder.generate(prompt, MAX_NEW, eos_token_ids={EOS})
+    assert_greedy_equal(loaded.model, prompt, out.token_ids, ref, label=f"{method} {options} {category}")
+    print(f"{method} {options} {category}: {out.stats.summary()}")
+    assert out.stats.num_accepted_tokens > 0, "a trained head's drafts are right some of the time"
