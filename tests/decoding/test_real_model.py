@@ -136,7 +136,7 @@ def test_greedy_with_repetition_penalty_equals_hf(loaded: Any, method: str) -> N
 
 
 @needs_data
-@pytest.mark.parametrize("category", CATEGORIES)
+@pytest.mark.parametrize("category", CATEGORIES[:1])   # one prompt: the whole suite must stay under 30 min in CI
 @pytest.mark.parametrize(("method", "options"), [("eagle", {}), ("rasd", {"head": "auto"})])
 def test_the_shipped_eagle_head_drafts_and_greedy_equals_hf(loaded: Any, references: dict[str, Any], category: str,
                                                             method: str, options: dict[str, Any]) -> None:
