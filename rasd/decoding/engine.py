@@ -421,6 +421,8 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
                              **proposer_options)
     sizer: Sizer = (make_sizer(sizing, max_nodes, curve_for=curve_for, **sizer_options) if spec.speculates
                     else FixedSizer(0))
+    if hasattr(proposer, "use_sizer"):   # a model drafter stops growing where the sizer says a layer cannot pay
+        proposer.use_sizer(sizer)
     return SpeculativeDecoder(target.model, proposer, tokenizer=target.tokenizer, sizer=sizer,
                               max_context=target.max_context, method=method, step=getattr(target, "step", None))
 

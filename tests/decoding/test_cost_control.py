@@ -286,6 +286,17 @@ def test_sizer_never_drops_sampled_nodes_whatever_their_estimate() -> None:
     assert sizer.last_choice[1] >= 3
 
 
+def test_grow_pays_weighs_the_next_layer_against_its_forward() -> None:
+    """One more draft layer pays where its likely children are cheap to verify and the forward is cheap; not
+    where verifying them costs a step each, nor where the draft forward costs as much as the gain."""
+    certain = trained_sizer(flat, accept=True)
+    tree = chain(2)
+    assert certain.grow_pays(tree, [2], 100, forward_s=0.001)
+    assert not certain.grow_pays(tree, [2], 100, forward_s=0.2)          # the forward costs 4 target steps
+    assert not trained_sizer(steep, accept=True).grow_pays(tree, [2], 100, forward_s=0.001)
+    assert not trained_sizer(flat, accept=False).grow_pays(tree, [2], 100, forward_s=0.001)
+
+
 def test_sizer_observe_tracks_overhead() -> None:
     sizer = CostAwareSizer(flat)
     sizer.observe(chain(1), [], overhead_s=0.01)

@@ -255,6 +255,26 @@ def test_train_eagle_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,  # noq
     assert list((tmp_path / "home" / "selfgen").rglob("*.pt")), "the regenerated answers are cached"
 
 
+def test_a_sizer_that_says_no_layer_pays_stops_the_tree_at_depth_one_and_output_is_unchanged() -> None:
+    """`grow_pays` (cost sizing) decides whether a next layer is drafted; asked and refused, the head runs no
+    node forward, and decoding still gives HF's tokens."""
+    target, head = tiny_llama(0), trained_head(0)
+    asked: list[int] = []
+
+    def never(tree: Any, frontier: list[int], context_len: int, forward_s: float) -> bool:
+        asked.append(len(frontier))
+        return False
+
+    proposer = make_proposer("eagle", head=head, top_k=2, width=4, min_prob=0.0)
+    proposer.grow_pays = never
+    prompt = random_prompt(12, 5)
+    dec = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16))
+    out = dec.generate(prompt, 24)
+    assert asked, "the sizer was asked before a layer was grown"
+    assert out.stats.steps > 0 and len(out.stats.accepted_per_position) <= 1   # nothing accepted past depth 1
+    assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 24), "eagle, depth-1 trees")
+
+
 @pytest.mark.parametrize("budget", [1, 2, 3, 5])
 def test_a_tree_that_fills_its_budget_stops_cleanly(budget: int) -> None:
     """Regression: when a layer filled the budget, the next layer read the previous frontier's logits

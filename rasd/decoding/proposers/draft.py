@@ -67,6 +67,9 @@ class DraftModelProposer:
         # can drop them (see `rasd.decoding.sizing.gate`).
         self.gate = gate
         self.forward_s: float | None = None   # EMA of one frontier draft forward (seconds)
+        # With cost sizing (`use_sizer`): whether one more draft layer can pay for its forward
+        # (`CostAwareSizer.grow_pays`); None: grow while candidates clear the probability floor.
+        self.grow_pays: Callable[[DraftTree, list[int], int, float], bool] | None = None
         self.last_layers = 0                   # OPT-Tree layers grown by the last propose (statistics, tests)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -239,7 +242,19 @@ class DraftModelProposer:
             frontier = list(range(first, len(tree)))
             if depth + 1 >= self.max_depth or tree.num_draft_tokens >= max_nodes or not frontier:
                 return   # (the old frontier's logits must never meet the new frontier)
+            if not self._grow(tree, frontier, context_len):
+                return
             frontier_logits = self._forward_nodes(tree, first, context_len)
+
+    def _grow(self, tree: DraftTree, frontier: list[int], context_len: int) -> bool:
+        """Whether to run the next draft layer: always without a sizer's verdict or before a forward was timed."""
+        if self.grow_pays is None or self.forward_s is None:
+            return True
+        return self.grow_pays(tree, frontier, context_len, self.forward_s)
+
+    def use_sizer(self, sizer: Any) -> None:
+        """Let a cost-aware sizer stop the tree's growth where another layer cannot pay (`grow_pays`)."""
+        self.grow_pays = getattr(sizer, "grow_pays", None)
 
     def _sample_chain(self, tree: DraftTree, root_logits: torch.Tensor, context_len: int, max_nodes: int) -> None:
         """Sampling: a chain drawn from q, with q kept on every node for exact verification."""

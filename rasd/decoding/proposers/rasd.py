@@ -125,6 +125,11 @@ class RasdProposer:
         """The target's features of positions start.. (`decoding.features`), for the draft."""
         self.draft.observe_hidden(start, hidden)
 
+    def use_sizer(self, sizer: Any) -> None:
+        """The draft stops growing where the sizer says another layer cannot pay (`DraftModelProposer`)."""
+        if hasattr(self.draft, "use_sizer"):
+            self.draft.use_sizer(sizer)
+
     def scope(self, doc_tokens: Sequence[Sequence[int]] | None) -> None:
         """This request's retrieved documents (see `RetrievalProposer.scope`)."""
         self.retrieval.scope(doc_tokens)
