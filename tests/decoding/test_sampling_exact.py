@@ -290,6 +290,7 @@ class Recording:
         self.model = getattr(inner, "model", None)
         self.max_root_children = 0
         self.nodes_with_q = 0
+        self.lengths: set[int] = set()   # sampled chain lengths seen
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         self.inner.start(prompt_ids, sampling)
@@ -298,10 +299,18 @@ class Recording:
         tree = self.inner.propose(context, max_nodes)
         self.max_root_children = max(self.max_root_children, len(tree.children(0)))
         self.nodes_with_q += len(tree.q)
+        self.lengths.add(len(tree.q))
         return tree
 
     def observe(self, *args: Any) -> None:
         self.inner.observe(*args)
+
+
+def stop_after_unlikely_tokens(tree: DraftTree, frontier: list[int], context_len: int, forward_s: float) -> bool:
+    """A chain-length rule that reads the drawn tokens (like the cost sizer's `grow_pays`): go on after a
+    token q found likely, stop after an unlikely one."""
+    node = frontier[-1]
+    return float(tree.q[node][tree.tokens[node]]) > 0.25
 
 
 def make_sampler(method: str) -> tuple[SpeculativeDecoder, Recording]:
@@ -314,6 +323,9 @@ def make_sampler(method: str) -> tuple[SpeculativeDecoder, Recording]:
         proposer = make_proposer("draft", target, max_depth=2, min_prob=0.0)
     elif method == "draft-other":
         proposer = make_proposer("draft", tiny_llama(**OTHER), max_depth=2, min_prob=0.0)
+    elif method == "draft-other-stops":
+        proposer = make_proposer("draft", tiny_llama(**OTHER), max_depth=3, min_prob=0.0)
+        proposer.grow_pays = stop_after_unlikely_tokens
     else:
         raise ValueError(method)
     recording = Recording(proposer)
@@ -355,6 +367,16 @@ def test_engine_draft_sampling_with_warping_is_exact() -> None:
     assert recording.nodes_with_q > 0
     assert 100 < accepted < 1900, f"acceptances {accepted}: both outcomes must be exercised"
     check_against_exact(counts, joint, "draft-other warped")
+
+
+def test_a_chain_that_stops_by_its_own_drawn_tokens_samples_exactly() -> None:
+    """A draft chain whose length depends on the tokens it drew (the cost sizer's `grow_pays` under sampling)
+    still gives the target's exact joint distribution: the stop rule never looks at the target."""
+    joint = exact_joint(tiny_llama(**TARGET), PROMPT, T1)
+    counts, recording, accepted = sample_triples("draft-other-stops", T1, 1500, seed_offset=3_000_000)
+    assert recording.lengths >= {1, 3}, f"chains of one and of three nodes must both occur: {recording.lengths}"
+    assert accepted > 0.05 * 1500, f"too few acceptances ({accepted}) to test anything"
+    check_against_exact(counts, joint, "draft-other, chains stopped by their own tokens")
 
 
 @pytest.mark.slow

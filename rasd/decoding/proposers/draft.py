@@ -257,7 +257,12 @@ class DraftModelProposer:
         self.grow_pays = getattr(sizer, "grow_pays", None)
 
     def _sample_chain(self, tree: DraftTree, root_logits: torch.Tensor, context_len: int, max_nodes: int) -> None:
-        """Sampling: a chain drawn from q, with q kept on every node for exact verification."""
+        """Sampling: a chain drawn from q, with q kept on every node for exact verification.
+
+        The chain may stop early (`_grow`): whether to draw the next node depends only on the nodes drawn so
+        far, never on the target, so given its prefix every drawn node is still distributed as q and the
+        verification stays exact (what is never done: dropping a drawn node because of its value).
+        """
         logits, node, score = root_logits, 0, 1.0
         length = min(self.max_depth, max_nodes)
         for step in range(length):
@@ -266,5 +271,6 @@ class DraftModelProposer:
             score *= float(q[tok])
             node = tree.add(node, tok, self.source, score)
             tree.q[node] = q
-            if step + 1 < length:
-                logits = self._forward_nodes(tree, node, context_len)[0]
+            if step + 1 >= length or not self._grow(tree, [node], context_len):
+                return
+            logits = self._forward_nodes(tree, node, context_len)[0]
