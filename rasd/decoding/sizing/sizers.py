@@ -266,14 +266,9 @@ class CostAwareSizer(SizerDefaults):
         probs = self.estimator.path_probs(tree)
         sampled, ranked = rank_nodes(tree, probs)
         limit = min(len(ranked), max(self.budget(context_len) - len(sampled), 0))
-        best_n, gain = 0, 1.0 + sum(probs[i] for i in sampled)
-        base = len(sampled) + 1
-        best_value = (self.margin if not sampled else gain) / (self.latency(curve, base) + self.overhead_s)
-        for n in range(1, limit + 1):
-            gain += probs[ranked[n - 1]]
-            value = gain / (self.latency(curve, base + n) + self.overhead_s)
-            if value > best_value:
-                best_n, best_value = n, value
+        gain, base = 1.0 + sum(probs[i] for i in sampled), len(sampled) + 1
+        floor = (self.margin if not sampled else gain) / (self.latency(curve, base) + self.overhead_s)
+        best_n, _ = self._best_prefix([probs[i] for i in ranked[:limit]], base, gain, floor, curve)
         self._plain_steps = self._plain_steps + 1 if best_n == 0 else 0
         self._exploring = False
         if self._plain_steps >= self.explore_every * self._backoff:   # estimates/costs may be stale: look again
@@ -290,7 +285,7 @@ class CostAwareSizer(SizerDefaults):
         made `eagle` slower than `ar` (draft 14 ms + verify 56 ms a step, against 42 ms for a plain step).
         One step of look-ahead: each frontier node gets one hypothetical child at its path p̂ times the
         source's learnt rate one level deeper; growing pays when the best cut of that tree, charged the forward,
-        beats the best cut of the tree as it is. Deterministic (greedy) trees only.
+        beats the best cut of the tree as it is. Under sampling the drafter asks only about nodes already drawn.
         """
         curve = self.curve_for(context_len)
         probs = self.estimator.path_probs(tree)
@@ -300,17 +295,22 @@ class CostAwareSizer(SizerDefaults):
         deeper = [probs[f] * rates[tree.sources[f]][min(depths[f] + 1, self.estimator.max_depth)]
                   for f in frontier]
         budget = self.budget(context_len)
-        return self._best_value(deeper + now, curve, budget, forward_s) > self._best_value(now, curve, budget, 0.0)
+        plain = self.margin / (self.latency(curve, 1) + self.overhead_s)
+        grown = self._best_prefix(sorted(deeper + now, reverse=True)[:budget], 1, 1.0, plain, curve, forward_s)
+        return grown[1] > self._best_prefix(sorted(now, reverse=True)[:budget], 1, 1.0, plain, curve)[1]
 
-    def _best_value(self, probs: list[float], curve: CostCurve, budget: int, extra_s: float) -> float:
-        """Expected tokens per second of the best prefix of `probs` (best first) within `budget` nodes; plain
-        decoding (with the margin) when nothing pays."""
-        ranked = sorted(probs, reverse=True)[:budget]
-        best, gain = self.margin / (self.latency(curve, 1) + self.overhead_s), 1.0
+    def _best_prefix(self, ranked: list[float], base: int, gain: float, floor: float, curve: CostCurve,
+                     extra_s: float = 0.0) -> tuple[int, float]:
+        """(n, expected tokens per second) of the best first-n of `ranked` (p̂, best first) verified beside
+        `base` tree tokens already worth `gain`; (0, floor) when no prefix beats `floor`. `extra_s`: time paid
+        for any prefix (one more draft forward)."""
+        best_n, best = 0, floor
         for n, p in enumerate(ranked, start=1):
             gain += p
-            best = max(best, gain / (self.latency(curve, 1 + n) + self.overhead_s + extra_s))
-        return best
+            value = gain / (self.latency(curve, base + n) + self.overhead_s + extra_s)
+            if value > best:
+                best_n, best = n, value
+        return best_n, best
 
     def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
                 verify_s: float | None = None) -> None:
