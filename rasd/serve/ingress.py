@@ -74,10 +74,32 @@ async def _relay(lines: Any, stream_id: str) -> AsyncIterator[str]:
         async for line in lines:
             yield line
     finally:
-        shared_state().stream_closed(stream_id)
-        with contextlib.suppress(Exception):
-            lines.cancel()
+        _release(lines, stream_id)
 
+
+def _release(lines: Any, stream_id: str) -> None:
+    """The stream is over for the router (no longer in flight) and for its replica (cancelled); twice is harmless."""
+    shared_state().stream_closed(stream_id)
+    with contextlib.suppress(Exception):
+        lines.cancel()
+
+
+class RelayResponse(StreamingResponse):
+    """A relayed stream that is released when the response ends, however it ends.
+
+    Why: a client that leaves cancels the response while `_relay` waits at a `yield`, where its `finally`
+    does not run; it would run only when the generator is garbage-collected, and until then the router
+    counted the stream in flight and sent new requests away from an idle replica."""
+
+    def __init__(self, lines: Any, stream_id: str, replica: str):
+        super().__init__(_relay(lines, stream_id), media_type="text/event-stream", headers={REPLICA_HEADER: replica})
+        self.lines, self.stream_id = lines, stream_id
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            _release(self.lines, self.stream_id)
 
 
 @serve.deployment(name="RasdIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
@@ -140,7 +162,9 @@ class RasdIngress:
     @api.get("/metrics")
     async def metrics(self) -> Response:
         texts = [t for t in await self._every_replica("metrics") if isinstance(t, bytes)]
-        return Response(merge_metrics(texts) + router_metrics(shared_state().snapshot()), media_type=CONTENT_TYPE)
+        router = shared_state()
+        return Response(merge_metrics(texts) + router_metrics(router.snapshot(), router.in_flight_now()),
+                        media_type=CONTENT_TYPE)
 
     # ------------------------------------------------------------------ generation
     @api.post("/v1/completions")
@@ -179,8 +203,7 @@ class RasdIngress:
         except Exception as exc:     # noqa: BLE001 - the replica's refusal (429, 400) as its HTTP status
             shared_state().stream_closed(stream_id)
             raise _unwrapped(exc) from None
-        return StreamingResponse(_relay(lines, stream_id), media_type="text/event-stream",
-                                 headers={REPLICA_HEADER: replica})
+        return RelayResponse(lines, stream_id, replica)
 
     @staticmethod
     async def _call(response: Any) -> Any:

@@ -98,12 +98,18 @@ def merge_metrics(texts: list[bytes]) -> bytes:
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
-def router_metrics(decisions: dict[str, int]) -> bytes:
-    """The prefix-aware router's decisions (`serve.router`): hit / (hit + miss + busy) is its hit rate."""
+def router_metrics(decisions: dict[str, int], in_flight: dict[str, int] | None = None) -> bytes:
+    """The prefix-aware router's decisions (`serve.router`): hit / (hit + miss + busy) is its hit rate; and the
+    requests it counts in flight per replica, the load it routes by."""
     name = "rasd:router_requests_total"
     lines = [f"# HELP {name} Requests routed by prompt prefix, by outcome: hit (sent to the replica holding its "
              "prefix), miss (no replica held it), busy (that replica was too busy)", f"# TYPE {name} counter"]
     lines += [f'{name}{{outcome="{outcome}"}} {_number(count)}' for outcome, count in decisions.items()]
+    if in_flight is not None:
+        gauge = "rasd:router_requests_in_flight"
+        lines += [f"# HELP {gauge} Requests the router counts in flight per replica (a stream until it closes)",
+                  f"# TYPE {gauge} gauge"]
+        lines += [f'{gauge}{{replica="{_escape(r)}"}} {_number(n)}' for r, n in in_flight.items()]
     return ("\n".join(lines) + "\n").encode()
 
 

@@ -203,6 +203,11 @@ class RouterState:
         with self.lock:
             return {r: self.in_flight.get(r, 0) for r in replicas}
 
+    def in_flight_now(self) -> dict[str, int]:
+        """Requests in flight per replica as this process's routers count them (streams until closed)."""
+        with self.lock:
+            return {r: self.in_flight.get(r, 0) for r in self.replicas}
+
     def snapshot(self) -> dict[str, int]:
         """Routing decisions so far: hit (sent where its prefix was), miss (no replica had it), busy (the
         replica that had it was too busy)."""

@@ -90,6 +90,7 @@ def busy(client: httpx.Client, prompt: str) -> Iterator[str]:
     while client.get("/healthz").json()["running"] and time.monotonic() < deadline:
         time.sleep(0.5)
     assert client.get("/healthz").json()["running"] == 0, "a stream whose client left kept decoding"
+    assert sum(_router_in_flight(client).values()) == 0, "the router still counts a closed stream in flight"
 
 
 def on_both(client: httpx.Client, path: str, body: dict[str, Any], route: str) -> dict[str, dict[str, Any]]:
@@ -109,12 +110,20 @@ def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[str, d
     return r.headers["x-rasd-replica"], r.json()
 
 
-def _router_hits(client: httpx.Client) -> dict[str, float]:
+def _router_samples(client: httpx.Client, name: str, label: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = client.get("/metrics").text
-    return {s.labels["outcome"]: s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if s.name == "rasd:router_requests_total"}
+    return {s.labels[label]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == name}
+
+
+def _router_hits(client: httpx.Client) -> dict[str, float]:
+    return _router_samples(client, "rasd:router_requests_total", "outcome")
+
+
+def _router_in_flight(client: httpx.Client) -> dict[str, float]:
+    return _router_samples(client, "rasd:router_requests_in_flight", "replica")
 
 
 def test_health_lists_both_replicas(replicas: dict[str, Any]) -> None:

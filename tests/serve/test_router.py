@@ -3,6 +3,10 @@ and the merge of several replicas' metrics (the real router on a real Serve app:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rasd.decoding.stats import DecodeStats
@@ -89,7 +93,7 @@ def test_metrics_of_replicas_are_summed() -> None:
     one.record("chat", stats, 0.3)
     two.record("chat", stats, 1.2)
     two.failed("docqa", "429")
-    merged = merge_metrics([one.render(), two.render()]) + router_metrics({"hit": 3, "miss": 1, "busy": 0})
+    merged = merge_metrics([one.render(), two.render()]) + router_metrics({"hit": 3, "miss": 1, "busy": 0}, {"A": 2})
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(merged.decode()) for s in family.samples}
     assert samples[("rasd:generation_tokens_total", ())] == 20
@@ -99,6 +103,58 @@ def test_metrics_of_replicas_are_summed() -> None:
     assert samples[("rasd:num_requests_running", ())] == 4
     assert samples[("rasd:request_latency_seconds_count", (("endpoint", "chat"),))] == 2
     assert samples[("rasd:router_requests_total", (("outcome", "hit"),))] == 3
+    assert samples[("rasd:router_requests_in_flight", (("replica", "A"),))] == 2
     assert not any(name.endswith("_created") for name, _ in samples if name.startswith("rasd:generation"))
     assert merge_metrics([]) == b""
 
+
+
+class _Lines:
+    """A replica's stream that never ends (the client leaves first); records whether it was cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def __aiter__(self) -> _Lines:
+        return self
+
+    async def __anext__(self) -> str:
+        await asyncio.sleep(0)
+        return "data: {}\n\n"
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("spec", ["2.0", "2.4"])
+def test_a_stream_whose_client_leaves_is_released_at_once(spec: str) -> None:
+    """The client stops reading (its sends block) and then disconnects: the router must stop counting the
+    stream at once, not when the relay generator happens to be garbage-collected."""
+    from rasd.serve.ingress import RelayResponse
+    from rasd.serve.router import shared_state
+
+    state, lines = shared_state(), _Lines()
+    state.set_replicas([*state.replicas, "R-relay"])
+    state.routed_to("req", "R-relay", "a prompt", stream="s-relay")
+    assert state.in_flight_now()["R-relay"] == 1
+    gone, sent = asyncio.Event(), []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if len(sent) >= 3:                      # the client stopped reading; then it leaves
+            gone.set()
+            if spec == "2.4":
+                raise OSError("connection reset")
+            await asyncio.Event().wait()
+
+    async def receive() -> dict:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def serve_it() -> tuple[int, bool]:
+        with contextlib.suppress(Exception):
+            await RelayResponse(lines, "s-relay", "R-relay")({"type": "http", "asgi": {"spec_version": spec}},
+                                                             receive, send)
+        return state.in_flight_now()["R-relay"], lines.cancelled   # before the loop closes leftover generators
+
+    assert asyncio.run(asyncio.wait_for(serve_it(), 10)) == (0, True)
