@@ -4,7 +4,9 @@ Why actors: the draft model's forwards compete with the target's for the verifie
 `DraftWorker` owns one draft model (a separate small LM, or the target's EESD self-draft) and the draft
 state of many requests (their draft KV caches), so drafting can run on another process or node. On the
 verifier's side `RemoteDraft` stands where `RasdProposer.draft` would hold a local `DraftModelProposer`:
-`start`, `propose` and `root_probs` become actor calls.
+`start`, `propose` and `root_probs` become actor calls. With cost sizing, each `propose` carries the
+replica's `GrowRule` for the step (acceptance estimates and step times, a few KB), so a worker stops growing
+its tree where the sizer would stop a local draft's (`CostAwareSizer.grow_pays`).
 
 Failure policy (as for retrieval lookups in `retrieval.py`): a draft only proposes tokens that the target
 verifies, so a draft that does not arrive in time is simply no draft. Every call waits at most `timeout_s`;
@@ -34,6 +36,7 @@ from rasd.decoding.eagle import EagleHead
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.eagle import EagleProposer
 from rasd.decoding.sampling import GREEDY, SamplingParams
+from rasd.decoding.sizing.sizers import GrowRule
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Verdict
 
@@ -171,13 +174,17 @@ class DraftWorker:
         self._new(request_id, list(prompt_ids), sampling)
 
     def propose(self, request_id: str, context: list[int], max_nodes: int,
-                sampling: SamplingParams | None = None, features: Features = ()) -> DraftTree:
+                sampling: SamplingParams | None = None, features: Features = (),
+                grow: GrowRule | None = None) -> DraftTree:
         """The request's draft tree; sampled nodes' q come back on the CPU (the caller moves them).
 
-        `features`: the target's features of the positions committed since the last call, for a head."""
+        `features`: the target's features of the positions committed since the last call, for a head.
+        `grow`: the caller's cost sizer's rule for this step (whether one more draft layer pays); None: the
+        tree grows while its candidates clear the probability floor."""
         from rasd.decoding.kernels import fast_kernels
 
         proposer = self._fed(request_id, sampling, features)
+        proposer.grow_pays = grow
         with fast_kernels(self.fast):
             tree = proposer.propose(context, max_nodes)
         tree.q = {i: q.cpu() for i, q in tree.q.items()}
@@ -260,6 +267,7 @@ class RemoteDraft:
         self.clock = clock
         self.sampling = GREEDY
         self.closed = False
+        self.sizer: Any = None   # a cost sizer whose `grow_rule` travels with each propose (`use_sizer`)
 
     @property
     def stats(self) -> DraftHealth:
@@ -277,9 +285,15 @@ class RemoteDraft:
         sent, self.pending = self.pending, []
         return sent
 
+    def use_sizer(self, sizer: Any) -> None:
+        """Let a cost sizer stop the worker's tree where another layer cannot pay, as it does a local draft's:
+        its `GrowRule` for the step (estimates and step times, a few KB) goes with every `propose`."""
+        self.sizer = sizer if hasattr(sizer, "grow_rule") else None
+
     def propose(self, context: list[int], max_nodes: int) -> DraftTree:
         """The worker's tree, or the root alone when the worker is down or late (no draft, same tokens)."""
-        tree = (self._call("propose", list(context), max_nodes, self.sampling, self._features())
+        grow = self.sizer.grow_rule(len(context)) if self.sizer is not None and max_nodes > 0 else None
+        tree = (self._call("propose", list(context), max_nodes, self.sampling, self._features(), grow)
                 if max_nodes > 0 else None)
         if tree is None:
             return DraftTree.root_only(context[-1])

@@ -297,6 +297,20 @@ def test_grow_pays_weighs_the_next_layer_against_its_forward() -> None:
     assert not trained_sizer(flat, accept=False).grow_pays(tree, [2], 100, forward_s=0.001)
 
 
+def test_a_grow_rule_travels_and_decides_like_its_sizer() -> None:
+    """The rule a draft worker receives (pickled, as Ray sends it) answers as the sizer itself would."""
+    import pickle
+
+    tree = chain(2)
+    for sizer in (trained_sizer(flat, accept=True), trained_sizer(steep, accept=True),
+                  trained_sizer(flat, accept=False)):
+        rule = pickle.loads(pickle.dumps(sizer.grow_rule(100)))
+        assert len(rule.step_s) == sizer.budget(100) + 1
+        for forward_s in (0.001, 0.2):
+            want = sizer.grow_pays(tree, [2], 100, forward_s)
+            assert rule(tree, [2], 100, forward_s) == want == rule.pays(tree, [2], forward_s)
+
+
 def test_sizer_observe_tracks_overhead() -> None:
     sizer = CostAwareSizer(flat)
     sizer.observe(chain(1), [], overhead_s=0.01)

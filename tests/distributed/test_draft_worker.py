@@ -201,6 +201,52 @@ def test_remote_draft_backs_off_after_a_failure() -> None:
     assert draft.propose([1, 2, 3], 8).tokens == [3] and calls == ["propose", "propose", "finish"]
 
 
+def test_a_worker_stops_its_tree_where_the_callers_sizer_says_growing_does_not_pay() -> None:
+    """The cost sizer's rule for the step travels with `propose`: refused, the worker grows no layer past the
+    first; granted, it grows deeper; either way its tree is a first part of the one it grows unasked."""
+    from tests.decoding.test_cost_control import flat, steep, trained_sizer
+
+    model = tiny_llama(0)
+    worker = DraftWorker(model, draft_options=TREE, threads=None)
+    prompt = random_prompt(20, 0)
+    worker.start("a", prompt, GREEDY)
+    free = worker.propose("a", prompt, 12)
+    assert max(free.depths()) > 1
+    worker.propose("a", prompt, 12, grow=trained_sizer(steep, accept=True).grow_rule(len(prompt)))  # times a layer
+    stopped = worker.propose("a", prompt, 12, grow=trained_sizer(steep, accept=True).grow_rule(len(prompt)))
+    assert max(stopped.depths()) == 1 and stopped.tokens == free.tokens[:len(stopped)]
+    granted = worker.propose("a", prompt, 12, grow=trained_sizer(flat, accept=True).grow_rule(len(prompt)))
+    assert max(granted.depths()) > 1 and granted.parents == free.parents[:len(granted)]
+    assert granted.tokens == free.tokens[:len(granted)]
+
+
+def test_remote_draft_sends_its_sizers_rule_with_each_propose() -> None:
+    from ray.exceptions import RayActorError
+
+    from tests.decoding.test_cost_control import flat, trained_sizer
+
+    sent: list[tuple[Any, ...]] = []
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            def remote(*args: Any) -> Any:
+                sent.append((name, *args))
+                raise RayActorError()
+            return SimpleNamespace(remote=remote)
+
+    draft = RemoteDraft(Recording(), "r", backoff_s=0.0)
+    draft.propose([1, 2, 3], 8)
+    assert sent[-1][-1] is None                                    # no sizer: the worker grows freely
+    sizer = trained_sizer(flat, accept=True)
+    draft.use_sizer(sizer)
+    draft.propose([1, 2, 3], 8)
+    rule = sent[-1][-1]
+    assert rule.step_s == sizer.grow_rule(3).step_s and rule.estimator is sizer.estimator
+    draft.use_sizer(FixedSizer(8))                                 # a sizer without the rule: none is sent
+    draft.propose([1, 2, 3], 8)
+    assert sent[-1][-1] is None
+
+
 def test_rasd_takes_a_built_draft_but_not_both() -> None:
     draft = DraftModelProposer(tiny_llama(0))
     proposer = RasdProposer(draft_proposer=draft)

@@ -283,34 +283,21 @@ class CostAwareSizer(SizerDefaults):
         Why: a model drafter pays for every layer it grows before `cut` sees the tree. On a 2-core CPU one
         EAGLE-head layer costs ≈ 7% of a target step, and trees grown to depth 6 then cut to one or two nodes
         made `eagle` slower than `ar` (draft 14 ms + verify 56 ms a step, against 42 ms for a plain step).
-        One step of look-ahead: each frontier node gets one hypothetical child at its path p̂ times the
-        source's learnt rate one level deeper; growing pays when the best cut of that tree, charged the forward,
-        beats the best cut of the tree as it is. Under sampling the drafter asks only about nodes already drawn.
+        The rule itself is `GrowRule.pays`, on this step's estimates and costs.
         """
-        curve = self.curve_for(context_len)
-        probs = self.estimator.path_probs(tree)
-        depths = tree.depths()
-        now = [probs[i] for i in range(1, len(tree))]
-        rates = {src: self.estimator.coarse_rates(src) for src in {tree.sources[f] for f in frontier}}
-        deeper = [probs[f] * rates[tree.sources[f]][min(depths[f] + 1, self.estimator.max_depth)]
-                  for f in frontier]
-        budget = self.budget(context_len)
-        plain = self.margin / (self.latency(curve, 1) + self.overhead_s)
-        grown = self._best_prefix(sorted(deeper + now, reverse=True)[:budget], 1, 1.0, plain, curve, forward_s)
-        return grown[1] > self._best_prefix(sorted(now, reverse=True)[:budget], 1, 1.0, plain, curve)[1]
+        return self.grow_rule(context_len).pays(tree, frontier, forward_s)
 
-    def _best_prefix(self, ranked: list[float], base: int, gain: float, floor: float, curve: CostCurve,
-                     extra_s: float = 0.0) -> tuple[int, float]:
-        """(n, expected tokens per second) of the best first-n of `ranked` (p̂, best first) verified beside
-        `base` tree tokens already worth `gain`; (0, floor) when no prefix beats `floor`. `extra_s`: time paid
-        for any prefix (one more draft forward)."""
-        best_n, best = 0, floor
-        for n, p in enumerate(ranked, start=1):
-            gain += p
-            value = gain / (self.latency(curve, base + n) + self.overhead_s + extra_s)
-            if value > best:
-                best_n, best = n, value
-        return best_n, best
+    def grow_rule(self, context_len: int) -> GrowRule:
+        """`grow_pays`'s inputs for one step at this context: what a draft worker in another process needs to
+        stop its tree where this sizer would (the estimator by reference; Ray pickles a copy)."""
+        curve, budget = self.curve_for(context_len), self.budget(context_len)
+        step_s = [self.latency(curve, n) + self.overhead_s for n in range(1, budget + 2)]
+        return GrowRule(self.estimator, step_s, self.margin)
+
+    def _best_prefix(self, ranked: list[float], base: int, gain: float, floor: float, curve: CostCurve
+                     ) -> tuple[int, float]:
+        """`best_prefix` against this sizer's corrected curve plus its per-step overhead."""
+        return best_prefix(ranked, base, gain, floor, lambda n: self.latency(curve, n) + self.overhead_s)
 
     def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
                 verify_s: float | None = None) -> None:
@@ -326,6 +313,54 @@ class CostAwareSizer(SizerDefaults):
             old = self.observed.get(key)
             self.observed[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
             self.observed_all = ratio if self.observed_all is None else 0.9 * self.observed_all + 0.1 * ratio
+
+
+def best_prefix(ranked: list[float], base: int, gain: float, floor: float, step_s: Callable[[int], float],
+                extra_s: float = 0.0) -> tuple[int, float]:
+    """(n, expected tokens per second) of the best first-n of `ranked` (p̂, best first) verified beside `base`
+    tree tokens already worth `gain`; (0, floor) when no prefix beats `floor`. `step_s(n)`: the time of a step
+    verifying n tree tokens; `extra_s`: time paid for any prefix (one more draft forward)."""
+    best_n, best = 0, floor
+    for n, p in enumerate(ranked, start=1):
+        gain += p
+        value = gain / (step_s(base + n) + extra_s)
+        if value > best:
+            best_n, best = n, value
+    return best_n, best
+
+
+@dataclass
+class GrowRule:
+    """`CostAwareSizer.grow_pays` frozen for one step: acceptance estimates and step times, no curve provider,
+    so it can travel to a draft worker with the call (a few KB) and stop the worker's tree where the sizer
+    would stop a local one."""
+
+    estimator: AcceptanceEstimator
+    step_s: list[float]        # [budget + 1]: seconds of a step verifying 1 .. budget + 1 tree tokens
+    margin: float = 1.05
+
+    def pays(self, tree: DraftTree, frontier: list[int], forward_s: float) -> bool:
+        """One step of look-ahead: each frontier node gets one hypothetical child at its path p̂ times the
+        source's learnt rate one level deeper; growing pays when the best cut of that tree, charged the draft
+        forward, beats the best cut of the tree as it is. Under sampling the drafter asks only about nodes
+        already drawn, so the decision never depends on a node's own value."""
+        probs = self.estimator.path_probs(tree)
+        depths = tree.depths()
+        now = [probs[i] for i in range(1, len(tree))]
+        rates = {src: self.estimator.coarse_rates(src) for src in {tree.sources[f] for f in frontier}}
+        deeper = [probs[f] * rates[tree.sources[f]][min(depths[f] + 1, self.estimator.max_depth)]
+                  for f in frontier]
+        budget = len(self.step_s) - 1
+        plain = self.margin / self.step_s[0]
+        grown = best_prefix(sorted(deeper + now, reverse=True)[:budget], 1, 1.0, plain, self._step, forward_s)
+        return grown[1] > best_prefix(sorted(now, reverse=True)[:budget], 1, 1.0, plain, self._step)[1]
+
+    def __call__(self, tree: DraftTree, frontier: list[int], context_len: int, forward_s: float) -> bool:
+        """A drafter's `grow_pays` hook (the context length is this rule's already)."""
+        return self.pays(tree, frontier, forward_s)
+
+    def _step(self, n_tokens: int) -> float:
+        return self.step_s[min(n_tokens, len(self.step_s)) - 1]
 
 
 def size_class(n_tokens: int) -> int:
