@@ -23,6 +23,7 @@ import hashlib
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -310,33 +311,58 @@ def depth_agreement(head: EagleHead, sequences: torch.Tensor, feats: torch.Tenso
 
 def _depth_hits(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, prompt_len: int,
                 depths: int) -> tuple[list[int], list[int], list[int]]:
+    k, t = seq.shape
+    roots = torch.arange(max(1, prompt_len - 1), t - depths)                                  # [R]
+    h1, h4, n = [], [], []
+    for d, top4 in enumerate(chain_top_tokens(head, seq, feats, roots, depths, top=4)):
+        want = seq[:, roots + d + 1]                                                           # [K, R]
+        ok = valid[:, roots + d + 1] & (roots + d + 1 >= prompt_len)[None]
+        h1.append(int(((top4[..., 0] == want) & ok).sum()))
+        h4.append(int(((top4 == want[..., None]).any(-1) & ok).sum()))
+        n.append(int(ok.sum()))
+    return h1, h4, n
+
+
+@torch.no_grad()
+def chain_top_tokens(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, roots: torch.Tensor, depths: int,
+                     top: int = 1) -> Iterator[torch.Tensor]:
+    """Per depth 1..`depths`, the head's `top` tokens [K, R, top] (target ids) for the chain node at that depth
+    of every root in `roots` [R], the chain fed the text's own tokens (what it drafts while it is right).
+
+    As decoding drafts: the head's cache holds the true context (f_{t-1}, x_t) for t <= r, a chain node reads
+    its parent's predicted feature and attends to the context up to its root and to its own chain, never to
+    another root's. seq [K, T]; feats [K, T, H] the target's final-norm features; roots < T - depths."""
     from rasd.decoding.cache import GrowableLayer
 
     k, t = seq.shape
     kv = GrowableLayer()
     pred = head(feats[:, :-1], seq[:, 1:], torch.arange(1, t)[None].expand(k, -1), kv=kv)   # pred[:, j] = f̂_{j+1}
-    roots = torch.arange(max(1, prompt_len - 1), t - depths)                                  # [R]
     cur = pred[:, roots - 1]                                                                  # f̂_r  [K, R, H]
     key_pos = torch.arange(1, t)                                                              # true keys' positions
-    h1, h4, n = [], [], []
     for d in range(depths):
-        want = seq[:, roots + d + 1]                                                           # [K, R]
-        ok = valid[:, roots + d + 1] & (roots + d + 1 >= prompt_len)[None]
-        top4 = head.logits(cur).topk(4, dim=-1).indices
-        if head.vocab is not None:
-            top4 = head.vocab[top4]
-        h1.append(int(((top4[..., 0] == want) & ok).sum()))
-        h4.append(int(((top4 == want[..., None]).any(-1) & ok).sum()))
-        n.append(int(ok.sum()))
+        ids = head.logits(cur).topk(top, dim=-1).indices
+        yield head.vocab[ids] if head.vocab is not None else ids
         if d + 1 == depths:
-            break
+            return
         # next chain node of every root: input (f̂_{r+d}, x_{r+d+1}) at position r + d + 1
         visible = [key_pos[None, :] <= roots[:, None]] + [torch.eye(len(roots), dtype=torch.bool)] * (d + 1)
         mask = torch.zeros(len(roots), t - 1 + len(roots) * (d + 1))
         mask.masked_fill_(~torch.cat(visible, 1), torch.finfo(mask.dtype).min)
         pos = (roots + d + 1)[None].expand(k, -1)
         cur = head(cur, seq[:, roots + d + 1], pos, kv=kv, mask=mask[None, None])
-    return h1, h4, n
+
+
+def head_chain_labels(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, roots: torch.Tensor,
+                      k_max: int) -> torch.Tensor:
+    """AdaEAGLE's label for the head at every root [K, R]: how many tokens of its greedy k_max-token chain match
+    the text (the common-prefix length). While the chain matches, its inputs are the text's tokens, so the
+    chain of `chain_top_tokens` is the one the head drafts; after the first miss nothing counts."""
+    run = torch.ones(seq.shape[0], len(roots), dtype=torch.bool)
+    label = torch.zeros(seq.shape[0], len(roots), dtype=torch.long)
+    for d, top1 in enumerate(chain_top_tokens(head, seq, feats, roots, k_max)):
+        run &= top1[..., 0] == seq[:, roots + d + 1]
+        label += run.long()
+    return label
 
 
 # ---------------------------------------------------------------------------------------------- training

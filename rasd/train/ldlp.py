@@ -4,7 +4,9 @@ The target greedily continues prompt windows; one teacher-forced target forward 
 state at every position (the same `FinalNormTap` decoding uses) and one drafter forward gives the drafter's
 argmax after every prefix. The label of root position i is the length of the common prefix of the drafter's
 k_max-token greedy continuation and the target's own (`ldlp.ldlp_labels`: one forward labels every
-position). Features: concat(the target's input embedding of token i, the final-norm hidden state at i - 1).
+position). The EAGLE head (`--drafter eagle`, AdaEAGLE's own drafter) reads its own predicted features past
+depth 1, so its chains are rolled out level by level for all roots at once (`train.eagle.head_chain_labels`).
+Features: concat(the target's input embedding of token i, the final-norm hidden state at i - 1).
 Loss: L1 weighted by λ (default 2) where the prediction is too short: a too-short draft forfeits tokens that
 would have been accepted, a too-long one only costs draft time (DDD also extends confident drafts).
 """
@@ -14,12 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from rasd.decoding.eagle import EagleHead
 from rasd.decoding.sizing.ldlp import LengthPredictor, ldlp_features, ldlp_labels, ldlp_path, weighted_l1
 from rasd.train.common import self_generate, split, write_json
 
@@ -41,10 +45,10 @@ def ldlp_dataset(target: torch.nn.Module, drafter: torch.nn.Module, prompts: tor
     p = data.prompt_len
     for s in tqdm(range(0, len(data.tokens), batch), desc="labelling", unit="batch"):
         tokens = data.tokens[s: s + batch]
-        argmax = drafter(tokens.to(device)).logits.argmax(-1).cpu()          # [B, T]
+        labels_of = _labeller(drafter, tokens, data.final_hidden[s: s + batch], k_max, device)
         emb = embed(tokens.to(device)).float().cpu()                          # [B, T, H]
         for b in range(len(tokens)):
-            lab = ldlp_labels(argmax[b], tokens[b], k_max)                    # [T - 1], root i -> lab[i]
+            lab = labels_of(b)                                                # [T - 1], root i -> lab[i]
             n_valid = int(data.valid[s + b].sum())
             roots = [i for i in range(p, len(tokens[b]) - 1) if i + k_max < n_valid]
             if not roots:
@@ -56,6 +60,26 @@ def ldlp_dataset(target: torch.nn.Module, drafter: torch.nn.Module, prompts: tor
     if not feats:
         raise ValueError("no usable positions: generate more tokens (--gen-tokens) or lower --k-max")
     return torch.cat(feats), torch.cat(labels), torch.cat(seqs)
+
+
+def _labeller(drafter: torch.nn.Module, tokens: torch.Tensor, final_hidden: torch.Tensor, k_max: int,
+              device: torch.device) -> Callable[[int], torch.Tensor]:
+    """Row b -> its labels [T - 1] (root i -> label i). A draft LM: one forward over the text labels every
+    root (`ldlp_labels`). The EAGLE head drafts on its own features past depth 1, so each root's chain is
+    rolled out as decoding drafts it (`train.eagle.head_chain_labels`); roots too close to the end get 0 (the
+    caller never uses them)."""
+    if isinstance(drafter, EagleHead):
+        from rasd.train.eagle import head_chain_labels
+
+        t = tokens.shape[1]
+        roots = torch.arange(1, t - k_max)
+        feats = final_hidden.to(device, next(drafter.parameters()).dtype)
+        rows = head_chain_labels(drafter, tokens.to(device), feats, roots.to(device), k_max).cpu()   # [B, R]
+        full = torch.zeros(len(tokens), t - 1, dtype=torch.long)
+        full[:, roots] = rows
+        return lambda b: full[b]
+    argmax = drafter(tokens.to(device)).logits.argmax(-1).cpu()              # [B, T]
+    return lambda b: ldlp_labels(argmax[b], tokens[b], k_max)
 
 
 def evaluate(model: LengthPredictor, feats: torch.Tensor, labels: torch.Tensor, under_weight: float) -> dict:
@@ -115,8 +139,11 @@ def train_ldlp(target: torch.nn.Module, drafter: torch.nn.Module, prompts: torch
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("ldlp", help="train AdaEAGLE's draft length predictor for a drafter")
     p.add_argument("--model", default="default", help="target: HF hub id, local path or `default`")
-    p.add_argument("--drafter", default="eesd", help="`eesd` (the trained self-draft) or a draft model path/id")
+    p.add_argument("--drafter", default="eesd", help="`eagle` (the target's EAGLE head, AdaEAGLE's drafter), "
+                   "`eesd` (the trained self-draft) or a draft model path/id")
     p.add_argument("--eesd", type=Path, default=None, help="exit-layer weights (default under $RASD_HOME/eesd/)")
+    p.add_argument("--eagle", type=Path, default=None,
+                   help="EAGLE head (default: trained under $RASD_HOME/eagle/, else the shipped one)")
     p.add_argument("--data", default="builtin", help="JSONL(.gz) prompts or `builtin` (see `rasd train eesd`)")
     p.add_argument("--out", type=Path, default=None, help="default: $RASD_HOME/ldlp/<model>--<drafter>.safetensors")
     p.add_argument("--k-max", type=int, default=8)
@@ -131,6 +158,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rasd.decoding.eagle import load_head
     from rasd.decoding.model_loading import ModelLoadError, load_model
     from rasd.decoding.proposers.early_exit import load_early_exit
     from rasd.errors import CliError
@@ -141,7 +169,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         prompts = load_prompts(args.data, args.seqs * 3)
         target = load_model(args.model, device=args.device, dtype="float32")
-        if args.drafter == "eesd":
+        if args.drafter == "eagle":
+            drafter = load_head(target.model, args.eagle, args.model)
+        elif args.drafter == "eesd":
             drafter = load_early_exit(target.model, args.eesd, args.model)
         else:
             drafter = load_model(args.drafter, device=args.device, dtype="float32").model
@@ -151,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                                    cache=generation_cache(args.model))
     except (ValueError, ModelLoadError) as exc:
         raise CliError(str(exc)) from exc
-    drafter_tag = "eesd" if args.drafter == "eesd" else "draft-model"
+    drafter_tag = args.drafter if args.drafter in ("eagle", "eesd") else "draft-model"
     out = args.out or ldlp_path(args.model, drafter_tag)
     report = {"model": args.model, "drafter": args.drafter, "data": args.data, **report}
     model.save(out, {"model": args.model, "drafter": args.drafter})

@@ -105,19 +105,29 @@ def make_files(tmp_path: Path, target: torch.nn.Module, drafter: torch.nn.Module
     return exit_path, ldlp_file, report
 
 
-@pytest.mark.parametrize("drafter", ["eesd", "other"])
+@pytest.mark.parametrize("drafter", ["eesd", "other", "eagle"])
 def test_adaeagle_greedy_equals_hf(tmp_path: Path, drafter: str) -> None:
+    from tests.decoding.test_eagle import trained_head
+
     target = tiny_llama(0)
     other = tiny_llama(99)
-    exit_path, ldlp_file, report = make_files(tmp_path, target, target if drafter == "eesd" else other)
+    head = trained_head(0)
+    labeller = {"eesd": target, "other": other, "eagle": head}[drafter]
+    exit_path, ldlp_file, report = make_files(tmp_path, target, labeller)
     assert report["positions"] > 0 and "mae" in report["held_out"]
-    proposer = make_proposer("adaeagle", draft_model=None if drafter == "eesd" else other, target_model=target,
-                             eesd=exit_path, ldlp=ldlp_file)
+    proposer = make_proposer("adaeagle", draft_model=other if drafter == "other" else None, target_model=target,
+                             eesd=exit_path, ldlp=ldlp_file, head=head,
+                             drafter={"eesd": "eesd", "other": None, "eagle": None}[drafter])
+    assert proposer.source == "adaeagle" and getattr(proposer, "wants_hidden", False) == (drafter == "eagle")
     decoder = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16))
+    accepted = 0
     for length in (1, 7, 40):
         prompt = random_prompt(length, length)
         out = decoder.generate(prompt, max_new_tokens=29)
         assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 29), f"adaeagle {drafter}")
+        accepted += out.stats.accepted_by_source.get("adaeagle", 0)
+    if drafter == "eagle":
+        assert accepted > 0, "the head's chains were accepted"
     # the same predictor as an engine-level sizing on an ordinary draft-model proposer
     sizer = make_sizer("ldlp", 16, target=target, path=ldlp_file)
     decoder = SpeculativeDecoder(target, make_proposer("draft", other, max_depth=6, min_prob=0.0), sizer=sizer)
@@ -150,33 +160,45 @@ def test_train_ldlp_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,  # noqa
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["k_max"] == 4 and report["positions"] > 0 and out.stat().st_size < 4_000_000   # 256 wide: ~1.7 MB
     assert "held-out MAE" in capsys.readouterr().err
-    rc = main(["generate", "--model", str(tiny_model_dir), "--method", "adaeagle", "--eesd", str(exit_path),
+    rc = main(["generate", "--model", str(tiny_model_dir), "--method", "adaeagle", "--draft-model", "eesd",
+               "--eesd", str(exit_path),
                "--ldlp", str(out), "--prompt", "the quick brown fox", "--max-new-tokens", "8", "--sizing", "fixed",
                "--json"])
     assert rc == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
 
 
-@pytest.mark.parametrize("method", ["eesd", "adaeagle"])
+@pytest.mark.parametrize("method", ["eesd", "adaeagle", "adaeagle-head"])
 def test_sampling_with_self_draft_and_ddd_is_exact(tmp_path: Path, method: str) -> None:
     """χ² of the first three sampled tokens against plain sampling's exact joint distribution.
 
     The exit layer is perturbed so that drafts are sometimes rejected (residuals exercised); adaeagle uses
-    k = 1 and DDD, so whether a second token is drafted depends on the first one's probability.
+    k = 1 and DDD, so whether a second token is drafted depends on the first one's probability; over the
+    EAGLE head (an untrained one: drafts often rejected) the chain reads the head's own features.
     """
     from dataclasses import replace
 
     import numpy as np
 
-    from rasd.decoding.proposers.early_exit import LengthControlledProposer, ThompsonLength, load_early_exit
+    from rasd.decoding.proposers.early_exit import (
+        HeadLengthProposer,
+        LengthControlledProposer,
+        ThompsonLength,
+        load_early_exit,
+    )
+    from tests.decoding.test_eagle import random_head
     from tests.decoding.test_eesd import exit_file
     from tests.decoding.test_sampling_exact import PROMPT, SVOCAB, TARGET, WARPED, check_against_exact, exact_joint
 
     target = tiny_llama(**TARGET)
-    draft = load_early_exit(target, exit_file(tmp_path, target, noise=0.3))
     length = (ThompsonLength() if method == "eesd"
               else LDLPController(target, constant_predictor(64, 1.0, k_max=3)))
-    decoder = SpeculativeDecoder(target, LengthControlledProposer(draft, length, method), sizer=FixedSizer(16))
+    if method == "adaeagle-head":
+        proposer = HeadLengthProposer(random_head(target, 0), length, "adaeagle")
+    else:
+        proposer = LengthControlledProposer(load_early_exit(target, exit_file(tmp_path, target, noise=0.3)), length,
+                                            method)
+    decoder = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16))
     counts, accepted = np.zeros((SVOCAB,) * 3), 0
     for i in range(500):
         out = decoder.generate(PROMPT, 3, sampling=replace(WARPED, seed=2 * i))
@@ -184,3 +206,54 @@ def test_sampling_with_self_draft_and_ddd_is_exact(tmp_path: Path, method: str) 
         accepted += out.stats.num_accepted_tokens
     assert 50 < accepted < 950, f"acceptances {accepted}: both outcomes must be exercised"
     check_against_exact(counts, exact_joint(target, PROMPT, WARPED), f"{method} warped")
+
+
+def test_head_labels_are_the_chains_the_head_drafts_in_decoding() -> None:
+    """`rasd train ldlp --drafter eagle` labels a root with the matching prefix of the chain the head really
+    drafts there (its own features past depth 1), not of the teacher-forced one-forward argmax."""
+    from rasd.decoding.proposers.eagle import EagleProposer
+    from rasd.decoding.sampling import SamplingParams
+    from rasd.train.eagle import extract_features, head_chain_labels
+    from tests.decoding.test_eagle import own_text, trained_head
+
+    target, head, k_max = tiny_llama(0), trained_head(0), 4
+    seq = own_text(target, 1, seed=7)[0]                                                    # [48]
+    feats = torch.stack(extract_features(target, [seq.tolist()], None, batch=1, shard=1)["feats"]).float()[0]
+    roots = torch.arange(8, len(seq) - k_max)
+    labels = head_chain_labels(head, seq[None], feats[None], roots, k_max)[0]
+    for i, r in enumerate(roots.tolist()):
+        proposer = EagleProposer(head, max_depth=k_max, top_k=1, width=1, min_prob=0.0, window=None)
+        context = seq[: r + 1].tolist()
+        proposer.start(context, SamplingParams())
+        proposer.observe_hidden(0, feats[:r])
+        drafted = proposer.propose(context, k_max).tokens[1:]
+        want = 0
+        while want < len(drafted) and drafted[want] == int(seq[r + 1 + want]):
+            want += 1
+        assert int(labels[i]) == want, (r, drafted, seq[r + 1: r + 1 + k_max].tolist())
+    assert 0 < float(labels.float().mean()) < k_max, "labels of both kinds: the head is right and wrong"
+
+
+def test_train_ldlp_for_the_head_and_run_adaeagle_over_it(tiny_model_dir: Path, tmp_path: Path,  # noqa: F811
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`rasd train ldlp --drafter eagle` end to end, then `adaeagle` (its default drafter is the head) runs."""
+    from rasd.decoding.eagle import EagleHead, save_head
+    from rasd.decoding.model_loading import load_model
+
+    torch.manual_seed(0)
+    head_file = tmp_path / "head.safetensors"
+    save_head(head_file, EagleHead(load_model(str(tiny_model_dir)).model))
+    common = ["--model", str(tiny_model_dir), "--data", str(prompt_file(tmp_path)), "--seqs", "12",
+              "--prompt-tokens", "8", "--gen-tokens", "14"]
+    out = tmp_path / "ldlp.safetensors"
+    assert main(["train", "ldlp", *common, "--drafter", "eagle", "--eagle", str(head_file), "--out", str(out),
+                 "--k-max", "4", "--steps", "10"]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["drafter"] == "eagle" and report["positions"] > 0
+    capsys.readouterr()
+    rc = main(["generate", "--model", str(tiny_model_dir), "--method", "adaeagle", "--eagle", str(head_file),
+               "--ldlp", str(out), "--prompt", "the quick brown fox", "--max-new-tokens", "8", "--sizing", "fixed",
+               "--json"])
+    assert rc == 0
+    body = json.loads(capsys.readouterr().out)
+    assert len(body["token_ids"]) >= 1 and body["stats"]["method"] == "adaeagle", body.keys()

@@ -12,7 +12,8 @@ the target's cache also holds tree entries until compaction; correctness first.
 
 Draft length: `eesd` samples it by Thompson sampling (`sizing.sizers.ThompsonSizer.sample_depth`: a Beta(α, β)
 posterior on per-token acceptance, sampled level by level, hard cap; α/β updated from each verdict).
-`adaeagle` predicts k with the LDLP and stops by AdaEAGLE-DDD (`rasd.decoding.sizing.ldlp`). Greedy: a chain of
+`adaeagle` predicts k with the LDLP and stops by AdaEAGLE-DDD (`rasd.decoding.sizing.ldlp`), over the target's
+EAGLE head by default (`HeadLengthProposer`), else a draft model or the EESD self-draft. Greedy: a chain of
 argmax tokens (`eesd` also hangs each chain token's two runner-ups on as leaves: free from the same
 logits, and often right where the argmax is not). Sampling: a chain drawn from the draft's warped q with q
 attached to every node, so the verifier applies the exact residual rule; the stop rule only looks at tokens
@@ -32,6 +33,7 @@ from torch import nn
 
 from rasd import paths
 from rasd.decoding.proposers.draft import DraftModelProposer
+from rasd.decoding.proposers.eagle import EagleProposer
 from rasd.decoding.sampling import SamplingParams, target_probs
 from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.sizing.sizers import ThompsonSizer
@@ -262,11 +264,27 @@ def make_eesd(target: nn.Module, eesd: str | Path | None = None, model_name: str
 
 def make_adaeagle(target: nn.Module, draft_model: nn.Module | None = None, eesd: str | Path | None = None,
                   ldlp: str | Path | None = None, model_name: str = "default", seed: int = 0,
-                  gate: DraftGate | None = None, **_: Any) -> LengthControlledProposer:
-    """Method `adaeagle`: `draft_model` if given, else the EESD self-draft; length from LDLP + DDD."""
+                  gate: DraftGate | None = None, drafter: str | None = None, head: Any = None,
+                  eagle: str | Path | None = None, **_: Any) -> LengthControlledProposer:
+    """Method `adaeagle`: a chain whose length the LDLP predicts and DDD stops, over its `drafter`:
+
+    `eagle` (default without a draft model): the target's EAGLE head (`head`, else the file `eagle`, else the
+    trained or shipped one), the drafter AdaEAGLE is defined on; `draft-model` (default with one): that model;
+    `eesd`: the target's EESD self-draft. The LDLP is the one trained for that drafter (`rasd train ldlp`)."""
     from rasd.decoding.sizing.ldlp import load_controller
 
-    drafter = "draft-model" if draft_model is not None else "eesd"
+    drafter = drafter or ("draft-model" if draft_model is not None else "eagle")
     controller = load_controller(target, ldlp, model_name, drafter)
-    draft = draft_model if draft_model is not None else load_early_exit(target, eesd, model_name)
+    if drafter == "eagle":
+        from rasd.decoding.eagle import shared_head
+
+        head = head if head is not None else shared_head(target, eagle, model_name)
+        return HeadLengthProposer(head, controller, "adaeagle", seed=seed, gate=gate)
+    draft = draft_model if drafter == "draft-model" and draft_model is not None else load_early_exit(target, eesd,
+                                                                                                     model_name)
     return LengthControlledProposer(draft, controller, "adaeagle", seed=seed, gate=gate)
+
+
+class HeadLengthProposer(LengthControlledProposer, EagleProposer):
+    """A length-controlled chain drafted by the target's EAGLE head (AdaEAGLE as its paper builds it): the chain
+    and its stop rule are `LengthControlledProposer`'s, the head's cache and features `EagleProposer`'s."""

@@ -30,6 +30,7 @@ REQUIRED_DRAFT = "required"  # cannot run without one
 SELF_DRAFT = "self"          # always the target's EESD self-draft (trained exit layer)
 SELF_BY_DEFAULT = "self-by-default"  # the given draft model, else the self-draft
 HEAD = "head"                # the target's trained EAGLE head (shipped for the embedded model)
+HEAD_BY_DEFAULT = "head-by-default"  # the given draft model (`eesd`: the self-draft), else the EAGLE head
 
 
 @dataclass
@@ -81,9 +82,13 @@ class MethodSpec:
         return (self.draft == SELF_DRAFT or is_self_draft(draft_model)
                 or (self.draft == SELF_BY_DEFAULT and not draft_model))
 
+    def uses_head(self, draft_model: str | None) -> bool:
+        """Whether this method, given `--draft-model draft_model`, drafts with the target's EAGLE head."""
+        return self.draft == HEAD or (self.draft == HEAD_BY_DEFAULT and not draft_model)
+
     def ldlp_drafter(self, draft_model: str | None) -> str:
         """The tag an LDLP is trained and stored under for this method's drafter."""
-        if self.draft == HEAD:
+        if self.uses_head(draft_model):
             return "eagle"
         return "eesd" if self.uses_self_draft(draft_model) else "draft-model"
 
@@ -97,7 +102,7 @@ class MethodSpec:
                              f"tokenizer, or `eesd` for the target's own early-exit draft)")
         if self.uses_index and has_index is False:
             raise ValueError(f"method {self.name!r} drafts from an index; start the service with --index")
-        if self.draft == HEAD:
+        if self.uses_head(draft_model):
             from rasd.decoding.eagle import head_path
 
             file = Path(eagle) if eagle else head_path(model)
@@ -110,12 +115,12 @@ class MethodSpec:
                 raise ValueError(f"method {self.name!r} needs a trained EESD exit layer ({file} is missing): run "
                                  f"`rasd train eesd --model {model} --data builtin` (or pass --eesd PATH)")
         if self.needs_ldlp or sizing == "ldlp":
-            self_draft = self.uses_self_draft(draft_model)
-            file = Path(ldlp) if ldlp else ldlp_path(model, self.ldlp_drafter(draft_model))
+            tag = self.ldlp_drafter(draft_model)
+            file = Path(ldlp) if ldlp else ldlp_path(model, tag)
             if not file.exists():
                 what = f"method {self.name}" if self.needs_ldlp else "sizing ldlp"
                 raise ValueError(f"{what} needs a trained LDLP ({file} is missing): run `rasd train ldlp --model "
-                                 f"{model} --drafter {'eesd' if self_draft else 'PATH'}` (or pass --ldlp PATH)")
+                                 f"{model} --drafter {'PATH' if tag == 'draft-model' else tag}` (or pass --ldlp PATH)")
 
 
 # ---------------------------------------------------------------------------------------------- builders
@@ -244,6 +249,17 @@ def _configure_head(setup: DecoderSetup) -> None:
         setup.options.setdefault("target_step_s", lambda n: curve_for(n).latency(1))
 
 
+def _configure_adaeagle(setup: DecoderSetup) -> None:
+    """adaeagle's drafter: the given draft model, the self-draft for `--draft-model eesd`, else the EAGLE head."""
+    if setup.draft is None:
+        setup.options.setdefault("drafter", "eagle")
+    elif is_self_draft(setup.draft.name):
+        setup.draft = None
+        setup.options.setdefault("drafter", "eesd")
+    setup.options.setdefault("target_model", setup.target.model)
+    setup.options.setdefault("model_name", setup.target.name)
+
+
 def _configure_self_draft(setup: DecoderSetup) -> None:
     """eesd / adaeagle draft with the target's own layers: `--draft-model eesd` means exactly that."""
     if setup.draft is not None and is_self_draft(setup.draft.name):
@@ -279,9 +295,9 @@ _SPECS = (
                _build_eagle, draft=HEAD, gate_block=8, configure=_configure_head),
     MethodSpec("eesd", "EESD: the target's first layers + a trained exit layer, Thompson-sampled length",
                _build_eesd, draft=SELF_DRAFT, gate_block=8, configure=_configure_self_draft),
-    MethodSpec("adaeagle", "AdaEAGLE: a trained predictor of the draft length (LDLP) over a drafter",
-               _build_adaeagle, draft=SELF_BY_DEFAULT, gate_block=8, needs_ldlp=True,
-               configure=_configure_self_draft),
+    MethodSpec("adaeagle", "AdaEAGLE: a trained predictor of the draft length (LDLP) over the EAGLE head",
+               _build_adaeagle, draft=HEAD_BY_DEFAULT, gate_block=8, needs_ldlp=True,
+               configure=_configure_adaeagle),
 )
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _SPECS}
 
