@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from rasd import paths
 from rasd.decoding.eagle import EagleHead
-from rasd.decoding.sizing.ldlp import LengthPredictor, ldlp_features, ldlp_labels, ldlp_path, weighted_l1
+from rasd.decoding.sizing.ldlp import LengthPredictor, ldlp_features, ldlp_labels, weighted_l1
 from rasd.train.common import self_generate, split, write_json
 
 
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ModelLoadError) as exc:
         raise CliError(str(exc)) from exc
     drafter_tag = args.drafter if args.drafter in ("eagle", "eesd") else "draft-model"
-    out = args.out or ldlp_path(args.model, drafter_tag)
+    out = args.out or paths.ldlp_path(args.model, drafter_tag)
     report = {"model": args.model, "drafter": args.drafter, "data": args.data, **report}
     model.save(out, {"model": args.model, "drafter": args.drafter})
     write_json(out.with_suffix(".json"), report)

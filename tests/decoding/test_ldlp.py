@@ -141,10 +141,31 @@ def test_missing_ldlp_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("RASD_HOME", str(tmp_path))
     save_exit_layer(tmp_path / "eesd" / "default.safetensors", new_exit_layer(tiny_llama(0), 1), 1)
     with pytest.raises(ValueError, match="rasd train ldlp"):
-        make_proposer("adaeagle", target_model=tiny_llama(0), model_name="default")
-    assert main(["generate", "--method", "adaeagle", "--prompt", "hello"]) == 2
+        make_proposer("adaeagle", target_model=tiny_llama(0), model_name="default", drafter="eesd")
+    assert main(["generate", "--method", "adaeagle", "--draft-model", "eesd", "--prompt", "hello"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "rasd train ldlp" in err[0]
+    assert len(err) == 1 and "rasd train ldlp" in err[0] and "--drafter eesd" in err[0]
+
+
+def test_adaeagle_needs_no_training_for_the_embedded_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an empty $RASD_HOME the embedded model's head and its LDLP come from the package; a predictor
+    trained here takes precedence; another drafter's missing predictor is named with its command."""
+    from rasd import paths
+    from rasd.decoding.proposers.registry import method_spec
+    from rasd.decoding.sizing.ldlp import ldlp_path, shipped_ldlp_path
+
+    monkeypatch.setenv("RASD_HOME", str(tmp_path))
+    spec = method_spec("adaeagle")
+    spec.check("default")
+    shipped = shipped_ldlp_path("default", "eagle")
+    assert ldlp_path("default", "eagle") == shipped and shipped.stat().st_size < 2_000_000
+    predictor = LengthPredictor.load(shipped)
+    assert predictor.hidden_size == 576 and predictor.k_max >= 1
+    trained = paths.ldlp_path("default", "eagle")
+    constant_predictor(576, 2.0).save(trained)
+    assert ldlp_path("default", "eagle") == trained
+    with pytest.raises(ValueError, match="--drafter PATH"):
+        spec.check("default", draft_model="someone/small-model")
 
 
 def test_train_ldlp_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,  # noqa: F811

@@ -137,10 +137,11 @@ def test_greedy_with_repetition_penalty_equals_hf(loaded: Any, method: str) -> N
 
 @needs_data
 @pytest.mark.parametrize("category", CATEGORIES[:1])   # one prompt: the whole suite must stay under 30 min in CI
-@pytest.mark.parametrize(("method", "options"), [("eagle", {}), ("rasd", {"head": "auto"})])
+@pytest.mark.parametrize(("method", "options"), [("eagle", {}), ("rasd", {"head": "auto"}), ("adaeagle", {})])
 def test_the_shipped_eagle_head_drafts_and_greedy_equals_hf(loaded: Any, references: dict[str, Any], category: str,
                                                             method: str, options: dict[str, Any]) -> None:
-    """The head shipped in the package (`rasd/decoding/heads/`), as `eagle` and as `rasd`'s draft."""
+    """The head shipped in the package (`rasd/decoding/heads/`), as `eagle`, as `rasd`'s draft and as
+    `adaeagle`'s (with the LDLP shipped beside it)."""
     from rasd.decoding.eagle import head_path
 
     if category not in references:

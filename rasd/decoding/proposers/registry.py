@@ -21,7 +21,8 @@ from rasd.decoding.proposers.rasd import RasdProposer
 from rasd.decoding.proposers.recycling import RecyclingProposer
 from rasd.decoding.proposers.retrieval import RetrievalProposer
 from rasd.decoding.proposers.suffix import SuffixProposer
-from rasd.paths import eesd_path, ldlp_path
+from rasd.decoding.sizing.ldlp import ldlp_path
+from rasd.paths import eesd_path
 
 # How a method uses a draft model (the target's own early-exit layers count as one, the "self-draft"):
 NO_DRAFT = "none"            # ignores --draft-model

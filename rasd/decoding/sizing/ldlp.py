@@ -182,8 +182,22 @@ class LDLPController:
 
 
 def ldlp_path(model_name: str, drafter: str) -> Path:
-    """Default location of a trained LDLP: $RASD_HOME/ldlp/<model>--<drafter>.safetensors."""
-    return paths.ldlp_path(model_name, drafter)
+    """Where the LDLP for a model and drafter is read: the one trained here ($RASD_HOME/ldlp/<model>--<drafter>
+    .safetensors, where `rasd train ldlp` writes), else the one shipped beside the embedded model's EAGLE head
+    (`adaeagle` runs with no training step), else the trained location (named by the error that follows)."""
+    trained = paths.ldlp_path(model_name, drafter)
+    if trained.exists():
+        return trained
+    shipped = shipped_ldlp_path(model_name, drafter)
+    return shipped if shipped.exists() else trained
+
+
+def shipped_ldlp_path(model_name: str, drafter: str) -> Path:
+    """The LDLP shipped in the package for an embedded model's drafter: `heads/<model>--<drafter>-ldlp.safetensors`."""
+    from rasd.decoding.eagle import shipped_path
+
+    head = shipped_path(model_name)
+    return head.with_name(f"{head.stem}--{paths.slug(drafter)}-ldlp.safetensors")
 
 
 def load_controller(target: nn.Module, path: Path | str | None, model_name: str, drafter: str) -> LDLPController:
