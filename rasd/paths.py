@@ -8,6 +8,9 @@ import os
 import re
 from pathlib import Path
 
+DEFAULT_MODEL = "default"                        # the embedded model's name on the command line
+DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"  # its folder, and the stem of what ships for it
+
 
 def rasd_home() -> Path:
     """Root of rasd's caches (converted models, cost curves): `$RASD_HOME` or `~/.cache/rasd`."""

@@ -156,9 +156,7 @@ def head_path(model_name: str) -> Path:
 
 def shipped_path(model_name: str) -> Path:
     """The head shipped for an embedded model (`default` is SmolLM2-135M-Instruct)."""
-    from rasd.decoding.model_loading import DEFAULT_MODEL, DEFAULT_MODEL_DIRNAME
-
-    name = DEFAULT_MODEL_DIRNAME if model_name == DEFAULT_MODEL else paths.slug(model_name)
+    name = paths.DEFAULT_MODEL_DIRNAME if model_name == paths.DEFAULT_MODEL else paths.slug(model_name)
     return HEADS_DIR / f"{name}.safetensors"
 
 

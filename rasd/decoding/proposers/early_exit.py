@@ -280,8 +280,9 @@ def make_adaeagle(target: nn.Module, draft_model: nn.Module | None = None, eesd:
 
         head = head if head is not None else shared_head(target, eagle, model_name)
         return HeadLengthProposer(head, controller, "adaeagle", seed=seed, gate=gate)
-    draft = draft_model if drafter == "draft-model" and draft_model is not None else load_early_exit(target, eesd,
-                                                                                                     model_name)
+    if drafter == "draft-model" and draft_model is not None:
+        return LengthControlledProposer(draft_model, controller, "adaeagle", seed=seed, gate=gate)
+    draft = load_early_exit(target, eesd, model_name)
     return LengthControlledProposer(draft, controller, "adaeagle", seed=seed, gate=gate)
 
 
