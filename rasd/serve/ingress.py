@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -67,16 +66,6 @@ def chat_route(body: ChatRequest) -> str:
     return "".join(f"\x1e{m['role']}\x1f{m['content']}" for m in body.message_dicts())
 
 
-async def _relay(lines: Any, stream_id: str) -> AsyncIterator[str]:
-    """A replica's event lines to the client; a client that leaves cancels the replica's generator, and
-    with it the request's rows in the batch."""
-    try:
-        async for line in lines:
-            yield line
-    finally:
-        _release(lines, stream_id)
-
-
 def _release(lines: Any, stream_id: str) -> None:
     """The stream is over for the router (no longer in flight) and for its replica (cancelled); twice is harmless."""
     shared_state().stream_closed(stream_id)
@@ -85,14 +74,15 @@ def _release(lines: Any, stream_id: str) -> None:
 
 
 class RelayResponse(StreamingResponse):
-    """A relayed stream that is released when the response ends, however it ends.
+    """A replica's event lines to the client, released when the response ends however it ends: a client that
+    leaves cancels the replica's generator, and with it the request's rows in the batch.
 
-    Why: a client that leaves cancels the response while `_relay` waits at a `yield`, where its `finally`
-    does not run; it would run only when the generator is garbage-collected, and until then the router
-    counted the stream in flight and sent new requests away from an idle replica."""
+    Why here and not in a generator's `finally`: a client that leaves cancels the response while such a
+    generator waits at a `yield`, where its `finally` runs only when it is garbage-collected; until then the
+    router counted the stream in flight and sent new requests away from an idle replica."""
 
     def __init__(self, lines: Any, stream_id: str, replica: str):
-        super().__init__(_relay(lines, stream_id), media_type="text/event-stream", headers={REPLICA_HEADER: replica})
+        super().__init__(lines, media_type="text/event-stream", headers={REPLICA_HEADER: replica})
         self.lines, self.stream_id = lines, stream_id
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

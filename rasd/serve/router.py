@@ -205,8 +205,7 @@ class RouterState:
 
     def in_flight_now(self) -> dict[str, int]:
         """Requests in flight per replica as this process's routers count them (streams until closed)."""
-        with self.lock:
-            return {r: self.in_flight.get(r, 0) for r in self.replicas}
+        return self.loads(self.replicas)
 
     def snapshot(self) -> dict[str, int]:
         """Routing decisions so far: hit (sent where its prefix was), miss (no replica had it), busy (the

@@ -285,13 +285,15 @@ class CostAwareSizer(SizerDefaults):
         made `eagle` slower than `ar` (draft 14 ms + verify 56 ms a step, against 42 ms for a plain step).
         The rule itself is `GrowRule.pays`, on this step's estimates and costs.
         """
-        return self.grow_rule(context_len).pays(tree, frontier, forward_s)
+        return self.grow_rule(context_len, len(tree) - 1 + len(frontier)).pays(tree, frontier, forward_s)
 
-    def grow_rule(self, context_len: int) -> GrowRule:
+    def grow_rule(self, context_len: int, nodes: int | None = None) -> GrowRule:
         """`grow_pays`'s inputs for one step at this context: what a draft worker in another process needs to
-        stop its tree where this sizer would (the estimator by reference; Ray pickles a copy)."""
+        stop its tree where this sizer would (the estimator by reference; Ray pickles a copy). `nodes`: the
+        most draft nodes the rule will be asked about (default: the budget), so no step time beyond is computed."""
         curve, budget = self.curve_for(context_len), self.budget(context_len)
-        step_s = [self.latency(curve, n) + self.overhead_s for n in range(1, budget + 2)]
+        limit = budget if nodes is None else min(budget, nodes)
+        step_s = [self.latency(curve, n) + self.overhead_s for n in range(1, limit + 2)]
         return GrowRule(self.estimator, step_s, self.margin)
 
     def _best_prefix(self, ranked: list[float], base: int, gain: float, floor: float, curve: CostCurve
@@ -336,7 +338,7 @@ class GrowRule:
     would stop a local one."""
 
     estimator: AcceptanceEstimator
-    step_s: list[float]        # [budget + 1]: seconds of a step verifying 1 .. budget + 1 tree tokens
+    step_s: list[float]        # [n + 1]: seconds of a step verifying 1 .. n + 1 tree tokens (n <= the budget)
     margin: float = 1.05
 
     def pays(self, tree: DraftTree, frontier: list[int], forward_s: float) -> bool:
