@@ -55,12 +55,16 @@ Features = list[tuple[int, torch.Tensor]] | tuple[()]   # (first position, featu
 
 def worker_spec(worker_model: str | None, draft_model: str | None, model: str) -> str:
     """What draft workers load: their own model (`eagle:<target>` for the target's EAGLE head), else the draft
-    model, else (`eesd` too) the target's self-draft."""
+    model (`eesd`: the target's self-draft), else what `rasd` drafts with in-process: the target's EAGLE head
+    when it has one (trained or shipped), else its self-draft."""
+    from rasd.decoding.eagle import head_path
     from rasd.decoding.model_loading import is_self_draft
 
     if worker_model:
         return worker_model
-    return draft_model if draft_model and not is_self_draft(draft_model) else f"{EESD_PREFIX}{model}"
+    if draft_model:
+        return f"{EESD_PREFIX}{model}" if is_self_draft(draft_model) else draft_model
+    return f"{EAGLE_PREFIX}{model}" if head_path(model).exists() else f"{EESD_PREFIX}{model}"
 
 
 def eesd_target(spec: str) -> str | None:

@@ -51,8 +51,9 @@ def register(subparsers: Any) -> Any:
                         "in Ray namespace `rasd` (0 = in the replica); a dead or slow worker means no draft, "
                         "same tokens")
     p.add_argument("--draft-worker-model", default=None,
-                   help="the draft workers' model (default: --draft-model, else `eesd:<--model>`, the EESD "
-                        "self-draft, which needs `rasd train eesd`)")
+                   help="the draft workers' model (default: --draft-model, else `eagle:<--model>`, the target's "
+                        "EAGLE head, when it has one, else `eesd:<--model>`, the EESD self-draft, which needs "
+                        "`rasd train eesd`)")
     p.add_argument("--draft-worker-resources", default=None, metavar="JSON",
                    help='Ray custom resources each draft worker needs, e.g. \'{"rasd_draft": 1}\'')
     p.add_argument("--verifier-actor", action="store_true",

@@ -278,7 +278,9 @@ def test_service_config_names_the_worker_model() -> None:
     def spec(**kw: Any) -> str:
         return Service.draft_worker_spec(SimpleNamespace(config=ServeConfig(**kw)))
 
-    assert spec(model="m") == "eesd:m"
+    assert spec(model="m") == "eesd:m"                       # no EAGLE head for m: its self-draft
+    assert spec(model="default") == "eagle:default"          # the shipped head, as `rasd` drafts in-process
+    assert spec(model="default", draft_model="eesd") == "eesd:default"
     assert spec(model="m", draft_model="d") == "d"
     assert spec(model="m", draft_model="d", draft_worker_model="w") == "w"
     assert spec(model="m", draft_model="eesd") == "eesd:m"   # the self-draft spec names no separate model

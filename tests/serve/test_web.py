@@ -119,7 +119,8 @@ def test_streamed_answer_coloured_by_source_matches_the_api_stats(page: Any, tmp
     # the coloured pieces are the answer, and each has a known source
     assert answer.strip() == final["answer"]
     piece_sources = set(page.eval_on_selector_all("#answer .tok", "els => els.map(e => e.dataset.source)"))
-    assert piece_sources <= {"prefill", "bonus", "datastore", "documents", "context", "history", "draft", "recycling"}
+    assert piece_sources <= {"prefill", "bonus", "datastore", "documents", "context", "history", "draft", "eagle",
+                             "recycling"}
     # the legend counts every committed token by source, exactly as the API's statistics do
     stats = final["rasd"]
     legend = legend_counts(page)

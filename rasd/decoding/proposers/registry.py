@@ -186,11 +186,11 @@ def _build_eagle(inputs: ProposerInputs) -> Proposer:
 
 
 # Whether `rasd` without --draft-model drafts with the target's EAGLE head when one exists ("auto") or not
-# ("off", pass head="auto" to opt in). Off: with the first trained head (held-out top-1 0.34) `rasd` ran 1.09x
-# HF on Spec-Bench --limit 1 against pld's 1.43x in the same run; with the shipped one (0.45) 1.22x `ar` against
-# 1.21x without it and pld's 1.27x; with layers grown only where they pay (`CostAwareSizer.grow_pays`) 1.16x
-# against 1.12x without it and pld's 1.13x on another machine (docs/lab-notes/eagle.md): a lead within the noise.
-RASD_HEAD_DEFAULT = "off"
+# ("off": `rasd:head=off`). Auto: with the shipped head (held-out top-1 0.45) `rasd` with the head was at least
+# level with `rasd` without it in every interleaved run so far, and ahead of `pld` in the last three
+# (docs/lab-notes/eagle.md, 2026-11-29): Spec-Bench 1.09x `ar` against 0.97x without it and pld's 1.03x;
+# LongBench docqa 19.7 tok/s against 18.9 and pld's 18.0. Output is the same either way.
+RASD_HEAD_DEFAULT = "auto"
 
 
 def _configure_rasd(setup: DecoderSetup) -> None:
