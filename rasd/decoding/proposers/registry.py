@@ -186,10 +186,9 @@ def _build_eagle(inputs: ProposerInputs) -> Proposer:
 
 
 # Whether `rasd` without --draft-model drafts with the target's EAGLE head when one exists ("auto") or not
-# ("off": `rasd:head=off`). Auto: with the shipped head (held-out top-1 0.45) `rasd` with the head was at least
-# level with `rasd` without it in every interleaved run so far, and ahead of `pld` in the last three
-# (docs/lab-notes/eagle.md, 2026-11-29): Spec-Bench 1.09x `ar` against 0.97x without it and pld's 1.03x;
-# LongBench docqa 19.7 tok/s against 18.9 and pld's 18.0. Output is the same either way.
+# ("off": `rasd:head=off`). Auto: with the shipped head (held-out top-1 0.45), over seven interleaved runs
+# `rasd` with the head ran on average ≈ 3% faster than without it (from -4% to +12%, each within the VM's noise;
+# docs/lab-notes/eagle.md, 2026-11-29), accepting more tokens a step in every one. Output is the same either way.
 RASD_HEAD_DEFAULT = "auto"
 
 
