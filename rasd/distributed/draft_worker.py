@@ -57,14 +57,14 @@ def worker_spec(worker_model: str | None, draft_model: str | None, model: str) -
     """What draft workers load: their own model (`eagle:<target>` for the target's EAGLE head), else the draft
     model (`eesd`: the target's self-draft), else what `rasd` drafts with in-process: the target's EAGLE head
     when it has one (trained or shipped), else its self-draft."""
-    from rasd.decoding.eagle import head_path
     from rasd.decoding.model_loading import is_self_draft
+    from rasd.decoding.proposers.registry import rasd_head_by_default
 
     if worker_model:
         return worker_model
     if draft_model:
         return f"{EESD_PREFIX}{model}" if is_self_draft(draft_model) else draft_model
-    return f"{EAGLE_PREFIX}{model}" if head_path(model).exists() else f"{EESD_PREFIX}{model}"
+    return f"{EAGLE_PREFIX}{model}" if rasd_head_by_default(model) else f"{EESD_PREFIX}{model}"
 
 
 def eesd_target(spec: str) -> str | None:

@@ -273,7 +273,7 @@ def warm_levels(levels: list[dict[str, Any]]) -> list[str]:
     for i, level in enumerate(levels):
         prompt, cached = level.get("prompt_tokens") or 0, level.get("cached_prompt_tokens", 0)
         if i > 0 and level.get("pass", 1) == 1 and prompt and cached >= WARM_SHARE * prompt:
-            warm.append(f"{level['concurrency']}/{level.get('pass', 1)}")
+            warm.append(f"{level['concurrency']}/1")
     return warm
 
 

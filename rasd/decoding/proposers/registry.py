@@ -192,6 +192,14 @@ def _build_eagle(inputs: ProposerInputs) -> Proposer:
 RASD_HEAD_DEFAULT = "auto"
 
 
+def rasd_head_by_default(model_name: str) -> bool:
+    """Whether `rasd` without a draft model drafts with `model_name`'s EAGLE head (draft workers load what this
+    says too: `rasd.distributed.draft_worker.worker_spec`)."""
+    from rasd.decoding.eagle import head_path
+
+    return RASD_HEAD_DEFAULT == "auto" and head_path(model_name).exists()
+
+
 def _configure_rasd(setup: DecoderSetup) -> None:
     """Recycle when the curve is flat; with a draft model, its chain stops where p̂ < δ (cost sizing)."""
     from rasd.decoding.sizing.cost import curve_is_flat
