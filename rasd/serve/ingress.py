@@ -190,9 +190,11 @@ class RasdIngress:
         lines = self.replicas.options(stream=True).stream.remote(endpoint, body, route=route, stream_id=stream_id)
         try:
             replica = await lines.__anext__()
-        except Exception as exc:     # noqa: BLE001 - the replica's refusal (429, 400) as its HTTP status
-            shared_state().stream_closed(stream_id)
-            raise _unwrapped(exc) from None
+        except BaseException as exc:  # a refusal (429, 400) as its HTTP status; a client gone before the start
+            _release(lines, stream_id)
+            if isinstance(exc, Exception):
+                raise _unwrapped(exc) from None
+            raise
         return RelayResponse(lines, stream_id, replica)
 
     @staticmethod

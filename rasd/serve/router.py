@@ -27,7 +27,7 @@ from typing import Any
 BLOCK_CHARS = 64          # characters per prefix block
 MAX_KEYS = 200_000        # prefix blocks remembered (x ~100 bytes each)
 IMBALANCE = 4             # requests in flight a matching replica may have beyond the least loaded one
-MAX_PENDING = 10_000      # routing decisions kept for requests not yet routed
+MAX_PENDING = 10_000      # routing decisions (and ends) kept for requests not yet routed
 
 
 def prefix_keys(text: str, block: int = BLOCK_CHARS) -> tuple[list[str], str]:
@@ -141,6 +141,8 @@ class RouterState:
         self.in_flight: dict[str, int] = {}
         self.routed: dict[str, str] = {}                          # internal request id -> replica
         self.streams: dict[str, str] = {}                         # open stream's id -> replica
+        self.stream_requests: set[str] = set()                    # internal ids of streams (Serve ends them early)
+        self.ended: OrderedDict[str, None] = OrderedDict()        # ids that ended before they were routed
         self.decided: dict[str, tuple[str, str | None]] = {}      # internal request id -> (outcome, replica)
         self.decisions = {"hit": 0, "miss": 0, "busy": 0}
         self.replicas: list[str] = []
@@ -163,13 +165,16 @@ class RouterState:
         """A request went to `replica`: count it in flight; its route's prefixes are that replica's now.
 
         A stream (`stream`: an id its caller chose) counts until its caller says `stream_closed`: Serve calls
-        a streaming request complete long before its last chunk."""
+        a streaming request complete long before its last chunk. Serve's callbacks run on threads and loops
+        of their own, so a request may be reported ended before it is reported routed: it is not counted."""
         with self.lock:
-            self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
-            if stream is None:
-                self.routed[request_id] = replica
-            else:
-                self.streams[stream] = replica
+            key = request_id if stream is None else stream
+            ended_first = self._forget_ended(key)
+            if stream is not None and not self._forget_ended(request_id):
+                self.stream_requests.add(request_id)               # Serve's "complete" for it is still to come
+            if not ended_first:
+                self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+                (self.routed if stream is None else self.streams)[key] = replica
             outcome, chosen = self.decided.pop(request_id, ("miss", None))
             if route:
                 self.decisions["busy" if outcome == "hit" and replica != chosen else outcome] += 1
@@ -177,17 +182,33 @@ class RouterState:
             self.table.insert(route, replica)
 
     def completed(self, request_id: str) -> None:
+        """Serve's word that a request is done (for a stream: that it started)."""
         with self.lock:
-            self._release(self.routed.pop(request_id, None))
+            if request_id in self.stream_requests:
+                self.stream_requests.discard(request_id)
+            else:
+                self._release(request_id, self.routed.pop(request_id, None))
 
     def stream_closed(self, stream: str) -> None:
         """The caller is done with a stream (its last chunk, an error, or a client that left)."""
         with self.lock:
-            self._release(self.streams.pop(stream, None))
+            self._release(stream, self.streams.pop(stream, None))
 
-    def _release(self, replica: str | None) -> None:
+    def _release(self, key: str, replica: str | None) -> None:
+        """One request fewer on `replica`; with no replica yet, remember that `key` ended before it was routed."""
         if replica is not None:
             self.in_flight[replica] = max(0, self.in_flight.get(replica, 0) - 1)
+            return
+        self.ended[key] = None
+        while len(self.ended) > MAX_PENDING:
+            self.ended.popitem(last=False)
+
+    def _forget_ended(self, key: str) -> bool:
+        """Whether `key` had ended before it was routed (and forget it)."""
+        if key not in self.ended:
+            return False
+        del self.ended[key]
+        return True
 
     def set_replicas(self, replicas: list[str]) -> None:
         """The replicas Serve runs now; the caches of those gone went with them."""

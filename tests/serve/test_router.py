@@ -87,6 +87,38 @@ def test_state_counts_decisions_and_requests_in_flight() -> None:
     assert state.table.match("what is a list?", ["A", "B"]) == {"B": len("what is a list?")}
 
 
+def test_a_request_reported_ended_before_routed_is_never_counted() -> None:
+    """Serve reports a request routed on its router loop and ended from a worker thread: either may come
+    first (a fast answer, a busy host), and a client may leave before its stream was routed."""
+    state = RouterState()
+    state.set_replicas(["A"])
+    state.completed("fast")                          # done before Serve said where it went
+    state.routed_to("fast", "A", "q")
+    state.stream_closed("left")                      # the client left before its stream was routed
+    state.routed_to("r-left", "A", "q", stream="left")
+    state.completed("r-left")                        # Serve ends every request it routed
+    assert state.loads(["A"]) == {"A": 0}
+    state.routed_to("r-s", "A", "q", stream="s")     # a stream: Serve calls its request complete at the start
+    state.completed("r-s")
+    assert state.loads(["A"]) == {"A": 1}
+    state.stream_closed("s")
+    state.completed("r-early")                       # ... and may say so before it is reported routed
+    state.routed_to("r-early", "A", "q", stream="s2")
+    state.stream_closed("s2")
+    assert state.loads(["A"]) == {"A": 0}
+    assert not state.stream_requests and not state.routed and not state.streams
+    state.routed_to("again", "A", "q")               # an ended id is forgotten once it is routed
+    assert state.loads(["A"]) == {"A": 1}
+
+
+def test_ends_of_requests_never_routed_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("rasd.serve.router.MAX_PENDING", 3)
+    state = RouterState()
+    for i in range(10):
+        state.completed(f"never-{i}")
+    assert list(state.ended) == ["never-7", "never-8", "never-9"]
+
+
 def test_metrics_of_replicas_are_summed() -> None:
     one, two = ServiceMetrics(lambda: (1, 2)), ServiceMetrics(lambda: (3, 0))
     stats = DecodeStats(steps=4, new_tokens=10, prompt_tokens=7, cached_prompt_tokens=5)
