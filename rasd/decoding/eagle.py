@@ -8,6 +8,10 @@ into a distribution over x_{t+2}. Layout:
     layer: one decoder layer of the target's architecture (its own weights, its own small KV cache)
     head:  the target's LM head (restricted to a draft vocabulary when one was trained: `SubsetHead`)
 
+With `taps` (EAGLE-3's fused features, training experiments only so far) the context features are the outputs
+of those target layers, each RMS-normalised, beside f_t: [.., (len(taps) + 1) H]; `fc_taps` maps them to H
+first, starting as f_t alone. A draft node's own predicted feature is [.., H] and skips it.
+
 The target's embedding, rotary tables and LM head are shared, not copied: the file holds `fc`, the layer and
 the draft vocabulary (token ids). The target's features of accepted tokens come from the verification forward
 that already ran (the engine hands them over); the head never runs the target.
@@ -74,13 +78,17 @@ class _NoCache:
 class EagleHead(nn.Module):
     """fc + one target-architecture decoder layer; reads the target's shared embedding / rotary / LM head."""
 
-    def __init__(self, target: nn.Module, vocab: torch.Tensor | None = None, init_layer: int = -1):
-        """A new head (weights: `load_head`); its layer's attention and norms start as target layer `init_layer`."""
+    def __init__(self, target: nn.Module, vocab: torch.Tensor | None = None, init_layer: int = -1,
+                 taps: tuple[int, ...] = ()):
+        """A new head (weights: `load_head`); its layer's attention and norms start as target layer `init_layer`.
+        `taps`: target layers whose outputs it reads beside the final features (EAGLE-3)."""
         super().__init__()
         if not fast_forward.supports(target):
             raise ValueError(f"an EAGLE head needs a Llama-style decoder layer; {type(target).__name__} has another")
         self.config = HeadConfig.of(target)
         hidden = self.config.hidden_size
+        self.taps = tuple(taps)
+        self.fc_taps = nn.Linear((len(self.taps) + 1) * hidden, hidden, bias=False) if self.taps else None
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         layers = target.get_decoder().layers
         self.layer = copy.deepcopy(layers[init_layer])
@@ -104,6 +112,9 @@ class EagleHead(nn.Module):
         self.fc.weight.zero_()
         self.fc.weight[:, hidden:] = torch.eye(hidden)
         self.fc.bias.zero_()
+        if self.fc_taps is not None:                 # the fused feature starts as f_t alone
+            self.fc_taps.weight.zero_()
+            self.fc_taps.weight[:, -hidden:] = torch.eye(hidden)
         self.layer.self_attn.o_proj.weight.zero_()
         self.layer.mlp.down_proj.weight.zero_()
 
@@ -114,9 +125,16 @@ class EagleHead(nn.Module):
         self._rows = weight if vocab is None else weight.index_select(0, vocab.to(weight.device, torch.long))
 
     def fuse(self, feats: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """[.., H] features f_t and [..] tokens x_{t+1} -> the layer's input [.., H]."""
+        """[.., H] features f_t (or [.., (taps + 1) H] with the tapped layers) and [..] tokens x_{t+1} -> the
+        layer's input [.., H]."""
+        if feats.shape[-1] != self.config.hidden_size:
+            feats = self.fc_taps(feats)
         embed = F.embedding(next_ids, self._shared[0].embed_tokens.weight.detach())
         return self.fc(torch.cat([embed.to(feats.dtype), feats], dim=-1))
+
+    def final_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """The final-norm part [.., H] of context features (what the head predicts and the LM head reads)."""
+        return feats[..., -self.config.hidden_size:]
 
     def forward(self, feats: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, kv: Any = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,6 +184,8 @@ def save_head(path: Path, head: EagleHead, report: dict[str, Any] | None = None,
     Written to a temporary name and renamed: a crash leaves the previous head intact."""
     from safetensors.torch import save_file
 
+    if head.taps:
+        raise ValueError("a head reading tapped target layers cannot be saved: decoding feeds final features only")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     dtype = torch.float16 if half else torch.float32

@@ -67,3 +67,29 @@ def row_features(model: nn.Module, row: int = 0, width: int = 0, count: int | No
         return last[row, :count]
     end = row * width + (width if count is None else count)
     return last[row * width: end]
+
+
+class LayerTaps:
+    """Keeps the outputs of some decoder layers in the last forward, each RMS-normalised [B, T, H] (EAGLE-3's
+    low and mid features: the residual stream's scale grows with depth, a head's linear map should not see it)."""
+
+    def __init__(self, model: nn.Module, layers: tuple[int, ...]):
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.last: dict[int, torch.Tensor] = {}
+        self._handles = [decoder.layers[i].register_forward_hook(self._hook(i)) for i in layers]
+        self.layers = tuple(layers)
+
+    def _hook(self, index: int) -> Any:
+        def keep(module: nn.Module, args: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            self.last[index] = out * torch.rsqrt(out.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(out.dtype)
+        return keep
+
+    def stacked(self, final: torch.Tensor) -> torch.Tensor:
+        """[.., (len(layers) + 1) H]: the tapped layers in order, then the final features `final`."""
+        return torch.cat([self.last[i] for i in self.layers] + [final], dim=-1)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from rasd.decoding.eagle import EagleHead, save_head
-from rasd.decoding.features import FinalNormTap, final_norm
+from rasd.decoding.features import FinalNormTap, LayerTaps, final_norm
 from rasd.train.common import greedy_continuations, model_fingerprint, write_json
 
 DEPTHS = 4
@@ -143,8 +143,9 @@ def sequences_key(sequences: list[list[int]], salt: str = "") -> str:
 
 @torch.no_grad()
 def extract_features(target: torch.nn.Module, sequences: list[list[int]], folder: Path | None, batch: int = 8,
-                     shard: int = 64) -> dict[str, Any]:
-    """Final-norm features (fp16) of every position, the sequences and the target's greedy-token counts.
+                     shard: int = 64, taps: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Final-norm features (fp16) of every position, the sequences and the target's greedy-token counts; with
+    `taps`, those layers' normalised outputs before the final features ([n_i, (len(taps) + 1) H], `LayerTaps`).
 
     Written in shards of `shard` sequences under `folder` (resumable: existing shards are read, not recomputed).
     Returns {"tokens": [list], "feats": [tensor [n_i, H]], "counts": tensor [vocab]}.
@@ -152,13 +153,15 @@ def extract_features(target: torch.nn.Module, sequences: list[list[int]], folder
     vocab = target.get_output_embeddings().weight.shape[0]
     out: dict[str, Any] = {"tokens": [], "feats": [], "counts": torch.zeros(vocab, dtype=torch.long)}
     tap = FinalNormTap(target)
+    layers = LayerTaps(target, taps) if taps else None
+    salt = f"taps={list(taps)}" if taps else ""
     try:
         for s in tqdm(range(0, len(sequences), shard), desc="target features", unit="shard"):
             part = sequences[s: s + shard]
-            file = folder / f"shard-{sequences_key(part)}.pt" if folder is not None else None
+            file = folder / f"shard-{sequences_key(part, salt)}.pt" if folder is not None else None
             data = _read_shard(file, len(part))
             if data is None:
-                data = _shard_features(target, tap, part, batch, vocab)
+                data = _shard_features(target, tap, layers, part, batch, vocab)
                 if file is not None:
                     file.parent.mkdir(parents=True, exist_ok=True)
                     torch.save(data, file.with_name(file.name + ".tmp"))
@@ -168,6 +171,8 @@ def extract_features(target: torch.nn.Module, sequences: list[list[int]], folder
             out["counts"] += data["counts"]
     finally:
         tap.remove()
+        if layers is not None:
+            layers.remove()
     return out
 
 
@@ -181,8 +186,8 @@ def _read_shard(file: Path | None, n: int) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and len(data.get("feats", [])) == n else None
 
 
-def _shard_features(target: torch.nn.Module, tap: FinalNormTap, part: list[list[int]], batch: int,
-                    vocab: int) -> dict[str, Any]:
+def _shard_features(target: torch.nn.Module, tap: FinalNormTap, layers: LayerTaps | None, part: list[list[int]],
+                    batch: int, vocab: int) -> dict[str, Any]:
     device = next(target.parameters()).device
     feats, counts = [], torch.zeros(vocab, dtype=torch.long)
     for b in range(0, len(part), batch):
@@ -194,8 +199,9 @@ def _shard_features(target: torch.nn.Module, tap: FinalNormTap, part: list[list[
             ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
         logits = target(ids.to(device), attention_mask=mask.to(device)).logits   # right padding: causal rows exact
         greedy = logits.argmax(-1).cpu()
+        last = tap.last if layers is None else layers.stacked(tap.last)
         for i, r in enumerate(rows):
-            feats.append(tap.last[i, : len(r)].half().cpu())
+            feats.append(last[i, : len(r)].half().cpu())
             counts += torch.bincount(greedy[i, : len(r)], minlength=vocab)[:vocab]
     return {"feats": feats, "counts": counts}
 
@@ -278,12 +284,13 @@ def head_loss(head: EagleHead, ids: torch.Tensor, feats: torch.Tensor, valid: to
     pos = torch.arange(1, ids.shape[1])[None].expand(ids.shape[0], -1)
     kv = _StepCache() if ttt else None
     pred = head(inp, ids[:, 1:], pos, kv=kv)                              # [B, T-1, H]: f̂_{t+1}
-    reg, ce, top1 = _step_loss(head, pred, feats[:, 1:], (valid[:, 1:] & valid[:, :-1]).float())
+    true = head.final_features(feats)                                     # the tapped layers are inputs only
+    reg, ce, top1 = _step_loss(head, pred, true[:, 1:], (valid[:, 1:] & valid[:, :-1]).float())
     loss, parts = reg + w_cls * ce, {"reg": reg.item(), "ce": ce.item(), "top1": top1.item()}
     if ttt and ids.shape[1] > 2:
         n1, n2 = pred.shape[1], pred.shape[1] - 1
         pred2 = head(pred[:, :-1], ids[:, 2:], pos[:, 1:] + 1, kv=kv, mask=_second_pass_mask(n1, n2))
-        reg2, ce2, top2 = _step_loss(head, pred2, feats[:, 2:], (valid[:, 2:] & valid[:, :-2]).float())
+        reg2, ce2, top2 = _step_loss(head, pred2, true[:, 2:], (valid[:, 2:] & valid[:, :-2]).float())
         loss = loss + reg2 + w_cls * ce2
         parts.update(ce2=ce2.item(), top1_d2=top2.item())
     return loss, parts
@@ -418,10 +425,10 @@ def train_head(head: EagleHead, tokens: list[list[int]], feats: list[torch.Tenso
 
 
 def held_out_set(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: int, eos: set[int],
-                 cache: Path | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 cache: Path | None, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's greedy continuations of `prompts` [K, P] (cached), their features and validity."""
     seqs = greedy_continuations(target, prompts, gen_tokens, 32, sorted(eos), cache, desc="held-out text")
-    data = extract_features(target, [s.tolist() for s in seqs], None, batch=16, shard=len(seqs))
+    data = extract_features(target, [s.tolist() for s in seqs], None, batch=16, shard=len(seqs), taps=taps)
     feats = torch.stack(data["feats"])
     valid = torch.ones_like(seqs, dtype=torch.bool)
     p = prompts.shape[1]

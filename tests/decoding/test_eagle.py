@@ -354,3 +354,37 @@ def test_answers_with_features_match_a_teacher_forward_and_stop_after_eos() -> N
         assert eos not in toks[8:-1], "nothing after the first EOS"
     assert len(data["tokens"][1]) <= 8 + 4 and data["tokens"][1][-1] == eos
     assert int(data["counts"].sum()) == sum(len(t) - 1 for t in data["tokens"])
+
+
+def test_a_head_reading_tapped_layers_starts_as_the_plain_head_and_trains() -> None:
+    """EAGLE-3's fused features: taps of earlier layers beside f_t; at the start the head ignores them (so a
+    fused head begins where a plain one does), its targets stay f_{t+1}, and training uses them."""
+    from rasd.decoding.features import LayerTaps
+    from rasd.train.eagle import head_loss
+
+    target = tiny_llama(0, vocab=96, init=0.02)
+    seqs = own_text(target, 32)
+    plain = extract_features(target, [s.tolist() for s in seqs], None, batch=16, shard=32)
+    fused = extract_features(target, [s.tolist() for s in seqs], None, batch=16, shard=32, taps=(0,))
+    hidden = target.config.hidden_size
+    assert fused["feats"][0].shape == (seqs.shape[1], 2 * hidden)
+    torch.testing.assert_close(fused["feats"][3][:, hidden:], plain["feats"][3])          # final part unchanged
+    assert torch.allclose(fused["feats"][3][:, :hidden].float().pow(2).mean(-1), torch.ones(1), atol=0.05)
+    torch.manual_seed(0)
+    one = EagleHead(target).eval()
+    torch.manual_seed(0)
+    two = EagleHead(target, taps=(0,)).eval()
+    ids, valid = seqs[:4], torch.ones_like(seqs[:4], dtype=torch.bool)
+    with torch.no_grad():
+        a = head_loss(one, ids, torch.stack(plain["feats"][:4]).float(), valid, ttt=True)[1]
+        b = head_loss(two, ids, torch.stack(fused["feats"][:4]).float(), valid, ttt=True)[1]
+    assert a == pytest.approx(b, rel=1e-4)
+    train_head(two, fused["tokens"], fused["feats"], 30, batch=8, lr=3e-3, progress=False, ttt=True)
+    assert two.fc_taps.weight[:, :hidden].abs().sum() > 0, "the tapped layer's weights were trained"
+    with pytest.raises(ValueError, match="cannot be saved"):
+        save_head(Path("/nonexistent/head.safetensors"), two)
+    taps = LayerTaps(target, (0,))
+    taps.remove()
+    with torch.no_grad():
+        target(seqs[:1])
+    assert not taps.last, "a removed tap keeps nothing"

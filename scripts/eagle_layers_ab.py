@@ -1,0 +1,83 @@
+"""Which features should the EAGLE head read: the target's final features alone (EAGLE-1/2) or low and mid
+layers fused beside them (EAGLE-3)? Two heads trained side by side from the same start, on the same
+conversations, steps, seed and draft vocabulary; held-out top-1 / top-4 agreement by depth 1-4 for each.
+
+The fused head starts as the plain one (its tapped layers weigh zero), so any difference is what the taps
+teach it. ShareGPT conversations as they are (one target forward per sequence: the cheap data), the same
+128 held-out prompts `rasd train eagle` evaluates on.
+
+    python scripts/eagle_layers_ab.py --seqs 512 --steps 150 --taps 2,15 \
+        --out docs/results/eagle_layers_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from rasd.decoding.eagle import EagleHead
+from rasd.decoding.model_loading import load_model
+from rasd.train.common import _prompt_of, generation_cache, prompt_windows
+from rasd.train.eagle import (
+    _rows,
+    conversation_ids,
+    depth_agreement,
+    draft_vocabulary,
+    extract_features,
+    held_out_set,
+    train_head,
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqs", type=int, default=512, help="training conversations (the first ones)")
+    parser.add_argument("--seq-len", type=int, default=384)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--taps", default="2,15", help="target layers fused beside the final features")
+    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--eval-seqs", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    taps = tuple(int(t) for t in args.taps.split(","))
+
+    target = load_model("default", dtype="float32")
+    rows = _rows("builtin")
+    n_eval = min(args.eval_seqs, max(1, len(rows) // 10))
+    train_rows, eval_rows = rows[: len(rows) - n_eval][: args.seqs], rows[len(rows) - n_eval:]
+    t0 = time.perf_counter()
+    data = extract_features(target.model, conversation_ids(target.tokenizer, train_rows, args.seq_len), None,
+                            taps=taps)
+    features_s = time.perf_counter() - t0
+    eos = set(target.eos_token_ids or ())
+    vocab = draft_vocabulary(data["counts"], args.draft_vocab, eos)
+    windows = prompt_windows(target.tokenizer, [p for p in (_prompt_of(r) for r in eval_rows) if p], 32)
+    seqs, feats, valid = held_out_set(target.model, windows, 48, eos, generation_cache("default"), taps=taps)
+    hidden = target.model.config.hidden_size
+    arms = {"final": ((), hidden), f"final+layers{list(taps)}": (taps, feats.shape[-1])}
+    result = {"model": "default", "train_sequences": len(data["tokens"]),
+              "train_tokens": sum(len(s) for s in data["tokens"]), "steps": args.steps, "lr": args.lr,
+              "seed": args.seed, "ttt": True, "draft_vocab": args.draft_vocab, "features_s": round(features_s, 1),
+              "torch_threads": torch.get_num_threads(), "arms": {}}
+    for name, (arm_taps, width) in arms.items():
+        torch.manual_seed(args.seed)
+        head = EagleHead(target.model, vocab, taps=arm_taps)
+        t1 = time.perf_counter()
+        final = train_head(head, data["tokens"], [f[:, -width:] for f in data["feats"]], args.steps, lr=args.lr,
+                           seed=args.seed, ttt=True)
+        result["arms"][name] = {"taps": list(arm_taps), "train_s": round(time.perf_counter() - t1, 1),
+                                "final_train": final,
+                                "agreement": depth_agreement(head, seqs, feats[..., -width:], valid, windows.shape[1])}
+        print(name, result["arms"][name]["agreement"], flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
