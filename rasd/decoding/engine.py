@@ -411,6 +411,8 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
     if spec.gate_block is not None and sizing == "cost":
         # drafts are paid for before the sizer can drop them: decide per step whether drafting pays at all
         proposer_options.setdefault("gate", DraftGate(block=spec.gate_block))
+    if proposer_options.get("gate") is False:            # `gate=off`: the sizer alone decides every step
+        proposer_options["gate"] = None
     sizer_options: dict[str, Any] = {}
     if sizing == "ldlp":
         sizer_options = {"target": target.model, "model_name": target.name, "drafter": drafter,

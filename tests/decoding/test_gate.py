@@ -136,3 +136,21 @@ def test_engine_gates_model_drafters_only_with_cost_sizing() -> None:
     assert gated == {"draft", "optree", "eagle", "eesd", "adaeagle", "rasd"}
     proposer = make_proposer("rasd", gate=Fixed(DRAFT))
     assert proposer.gate is None                        # nothing to gate without a draft model
+
+
+def test_gate_off_leaves_every_step_to_the_sizer() -> None:
+    """`eagle:gate=off` in a benchmark: no bandit in front of the drafter (the sizer alone decides)."""
+    from types import SimpleNamespace
+
+    from rasd.decoding.eagle import EagleHead
+    from rasd.decoding.engine import build_decoder
+
+    target = SimpleNamespace(model=tiny_llama(0), tokenizer=None, max_context=512, name="tiny-gate-off",
+                             device="cpu", dtype="float32")
+    head = EagleHead(target.model).eval()
+    assert isinstance(build_decoder(target, "eagle", head=head).proposer.gate, DraftGate)
+    free = build_decoder(target, "eagle", head=head, gate=False)
+    assert free.proposer.gate is None
+    prompt = random_prompt(12, 3)
+    assert_greedy_equal(target.model, prompt, free.generate(prompt, 20).token_ids,
+                        hf_greedy(target.model, prompt, 20), "eagle gate=off")
