@@ -92,4 +92,3 @@ class LayerTaps:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-
