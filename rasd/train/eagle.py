@@ -161,7 +161,7 @@ def extract_features(target: torch.nn.Module, sequences: list[list[int]], folder
             file = folder / f"shard-{sequences_key(part, salt)}.pt" if folder is not None else None
             data = _read_shard(file, len(part))
             if data is None:
-                data = _shard_features(target, tap, layers, part, batch, vocab)
+                data = _shard_features(target, tap, part, batch, vocab, layers)
                 if file is not None:
                     file.parent.mkdir(parents=True, exist_ok=True)
                     torch.save(data, file.with_name(file.name + ".tmp"))
@@ -186,8 +186,8 @@ def _read_shard(file: Path | None, n: int) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and len(data.get("feats", [])) == n else None
 
 
-def _shard_features(target: torch.nn.Module, tap: FinalNormTap, layers: LayerTaps | None, part: list[list[int]],
-                    batch: int, vocab: int) -> dict[str, Any]:
+def _shard_features(target: torch.nn.Module, tap: FinalNormTap, part: list[list[int]], batch: int, vocab: int,
+                    layers: LayerTaps | None = None) -> dict[str, Any]:
     device = next(target.parameters()).device
     feats, counts = [], torch.zeros(vocab, dtype=torch.long)
     for b in range(0, len(part), batch):
