@@ -15,10 +15,14 @@ import torch
 from torch import nn
 
 
+def _decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack of an HF causal LM (Llama-style `model.model`)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
 def final_norm(model: nn.Module) -> nn.Module:
     """The final norm module of an HF causal LM (Llama-style `model.model.norm`)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    norm = getattr(decoder, "norm", None)
+    norm = getattr(_decoder(model), "norm", None)
     if norm is None:
         raise ValueError(f"cannot find the final norm of {type(model).__name__} (expected .model.norm)")
     return norm
@@ -74,9 +78,8 @@ class LayerTaps:
     low and mid features: the residual stream's scale grows with depth, a head's linear map should not see it)."""
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...]):
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.last: dict[int, torch.Tensor] = {}
-        self._handles = [decoder.layers[i].register_forward_hook(self._hook(i)) for i in layers]
+        self._handles = [_decoder(model).layers[i].register_forward_hook(self._hook(i)) for i in layers]
         self.layers = tuple(layers)
 
     def _hook(self, index: int) -> Any:
