@@ -408,7 +408,7 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
     setup = DecoderSetup(target, draft, sizing, proposer_options, curve_for)
     if spec.configure is not None:
         spec.configure(setup)
-    if spec.gate_block is not None and sizing == "cost":
+    if spec.gates_draft(None if draft is None else draft.name) and sizing == "cost":
         # drafts are paid for before the sizer can drop them: decide per step whether drafting pays at all
         proposer_options.setdefault("gate", DraftGate(block=spec.gate_block))
     if proposer_options.get("gate") is False:            # `gate=off`: the sizer alone decides every step

@@ -386,3 +386,38 @@ def test_a_checked_curve_is_trusted_for_a_while_in_the_process(tmp_path: Path,
     monkeypatch.setattr(cost_mod, "TRUSTED_FOR_S", 0.0)     # time is up: read and checked again
     again = load_or_measure(model, "tiny", "cpu", "float32", 100, cache_dir=tmp_path)
     assert again == first and again is not first and len(probes) == checked + 1
+
+
+def test_root_pays_asks_of_the_first_forward_what_grow_pays_asks_of_later_ones() -> None:
+    """A drafter's first forward of a step pays where its depth-1 node is often right and the forward is cheap;
+    not where it is never right, nor where the forward costs as much as the node is worth. The source named is
+    the one whose rate counts (the root itself has none)."""
+    assert trained_sizer(flat, accept=True).root_pays(0, "s", 100, forward_s=0.001)
+    assert not trained_sizer(flat, accept=True).root_pays(0, "s", 100, forward_s=0.2)
+    assert not trained_sizer(flat, accept=False).root_pays(0, "s", 100, forward_s=0.001)
+    assert trained_sizer(flat, accept=False).root_pays(0, "never-seen", 100, forward_s=0.001)   # the prior
+
+
+def test_a_refused_drafter_is_let_through_now_and_then_and_what_it_drafts_is_verified() -> None:
+    """A refused drafter brings no evidence, so every `explore_every × backoff` refused steps it drafts anyway,
+    and the next cut verifies its nodes whatever their estimate; the interval doubles (bounded) while the rule
+    keeps refusing after such a step, and restarts once the rule grants."""
+    sizer = trained_sizer(flat, accept=False)
+    sizer.explore_every, sizer.max_backoff = 3, 4
+
+    def steps_until_let_through() -> int:
+        for n in range(1, 100):
+            if sizer.root_pays(0, "s", 100, forward_s=0.001):
+                return n
+        raise AssertionError("never let through")
+
+    waits = [steps_until_let_through() for _ in range(4)]
+    assert waits == [3, 6, 12, 12]
+    assert sizer.cut(chain(6), 100).num_draft_tokens == sizer.explore_nodes   # verified, though it cannot pay
+    assert sizer.cut(chain(6), 100).num_draft_tokens == 0                     # ... once
+    for _ in range(300):                                   # the source turns out right after all
+        sizer.observe(chain(12), list(range(1, 13)), overhead_s=0.0)
+    assert sizer.root_pays(0, "s", 100, forward_s=0.001)
+    for _ in range(300):
+        sizer.observe(chain(12), [], overhead_s=0.0)
+    assert steps_until_let_through() == 3                  # the backoff restarted when the rule granted

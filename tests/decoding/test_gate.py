@@ -129,28 +129,61 @@ def test_gated_proposers_equal_hf_greedy(method: str, answer: bool) -> None:
         assert forwards
 
 
-def test_engine_gates_model_drafters_only_with_cost_sizing() -> None:
+def test_engine_gates_model_drafters_but_not_the_eagle_head() -> None:
+    """The gate's bandit stands before drafters that cost a large share of a step; the EAGLE head's first
+    forward is judged by the cost sizer (`root_pays`) instead, so `eagle`, and `adaeagle` over the head, have
+    none; `adaeagle` over a draft model or the self-draft keeps it."""
     from rasd.decoding.proposers.registry import METHODS
 
-    gated = {name for name, spec in METHODS.items() if spec.gate_block is not None}
-    assert gated == {"draft", "optree", "eagle", "eesd", "adaeagle", "rasd"}
+    gated = {name for name, spec in METHODS.items() if spec.gates_draft(None)}
+    assert gated == {"draft", "optree", "eesd", "rasd"}
+    assert METHODS["adaeagle"].gates_draft("eesd") and METHODS["adaeagle"].gates_draft("some/draft")
+    assert not METHODS["eagle"].gates_draft("some/draft")
     proposer = make_proposer("rasd", gate=Fixed(DRAFT))
     assert proposer.gate is None                        # nothing to gate without a draft model
 
 
-def test_gate_off_leaves_every_step_to_the_sizer() -> None:
-    """`eagle:gate=off` in a benchmark: no bandit in front of the drafter (the sizer alone decides)."""
+def tiny_target(name: str):  # noqa: ANN201
     from types import SimpleNamespace
 
+    return SimpleNamespace(model=tiny_llama(0), tokenizer=None, max_context=512, name=name, device="cpu",
+                           dtype="float32")
+
+
+def test_gate_on_or_off_is_the_callers_choice() -> None:
+    """`eagle:gate=on|off` in a benchmark: no bandit by default, one when asked; output is unchanged."""
     from rasd.decoding.eagle import EagleHead
     from rasd.decoding.engine import build_decoder
 
-    target = SimpleNamespace(model=tiny_llama(0), tokenizer=None, max_context=512, name="tiny-gate-off",
-                             device="cpu", dtype="float32")
+    target = tiny_target("tiny-gate-off")
     head = EagleHead(target.model).eval()
-    assert isinstance(build_decoder(target, "eagle", head=head).proposer.gate, DraftGate)
-    free = build_decoder(target, "eagle", head=head, gate=False)
-    assert free.proposer.gate is None
+    assert build_decoder(target, "eagle", head=head).proposer.gate is None
+    gated = build_decoder(target, "eagle", head=head, gate=DraftGate(block=4))
+    assert isinstance(gated.proposer.gate, DraftGate)
+    assert build_decoder(target, "eagle", head=head, gate=False).proposer.gate is None
     prompt = random_prompt(12, 3)
-    assert_greedy_equal(target.model, prompt, free.generate(prompt, 20).token_ids,
-                        hf_greedy(target.model, prompt, 20), "eagle gate=off")
+    assert_greedy_equal(target.model, prompt, gated.generate(prompt, 20).token_ids,
+                        hf_greedy(target.model, prompt, 20), "eagle gated")
+
+
+def test_a_head_that_is_never_right_skips_its_forwards_and_output_is_unchanged() -> None:
+    """Where the sizer has learnt that the head's depth-1 node is never accepted, `root_pays` refuses the head's
+    first forward: most steps run no head forward at all (a few are let through to be measured again), and the
+    tokens are HF's."""
+    from rasd.decoding.eagle import EagleHead
+    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.tree import DraftTree
+
+    target = tiny_target("tiny-root-guard")
+    head = EagleHead(target.model).eval()
+    decoder = build_decoder(target, "eagle", head=head)
+    rejected = DraftTree.chain(0, [1], "eagle", scores=[0.9])
+    for _ in range(300):
+        decoder.sizer.estimator.update(rejected, [])
+    forwards: list[int] = []
+    head.register_forward_hook(lambda *_: forwards.append(1))
+    prompt = random_prompt(12, 5)
+    out = decoder.generate(prompt, 40)
+    assert_greedy_equal(target.model, prompt, out.token_ids, hf_greedy(target.model, prompt, 40), "eagle refused")
+    steps = out.stats.steps
+    assert 0 < len(forwards) < steps / 2, (len(forwards), steps)

@@ -70,6 +70,10 @@ class DraftModelProposer:
         # With cost sizing (`use_sizer`): whether one more draft layer can pay for its forward
         # (`CostAwareSizer.grow_pays`); None: grow while candidates clear the probability floor.
         self.grow_pays: Callable[[DraftTree, list[int], int, float], bool] | None = None
+        # ... and whether this step's first draft forward can (`CostAwareSizer.root_pays`): (root token,
+        # source, context length, forward seconds) -> bool; None: always draft (the gate aside).
+        self.root_pays: Callable[[int, str, int, float], bool] | None = None
+        self._decision: tuple[int, bool] | None = None   # (context length, draft or not) of this step
         self.last_layers = 0                   # OPT-Tree layers grown by the last propose (statistics, tests)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -98,10 +102,23 @@ class DraftModelProposer:
             self.gen.manual_seed(sampling.seed + 1)
         if self.gate is not None:
             self.gate.reset()
+        self._decision = None
 
     def gate_open(self, context: list[int]) -> bool:
-        """Whether to run the drafter this step (always without a gate)."""
-        return self.gate is None or self.gate.choose(len(context))
+        """Whether to run the drafter this step: the gate's arm (when there is one), then whether its first
+        forward can pay (`root_pays`, with a cost sizer). Decided once per step: a caller that asks before
+        `propose` (`rasd`, to know whether to prune with this draft) gets the same answer, counted once."""
+        if self._decision is not None and self._decision[0] == len(context):
+            return self._decision[1]
+        answer = (self.gate is None or self.gate.choose(len(context))) and self._root_pays(context)
+        self._decision = (len(context), answer)
+        return answer
+
+    def _root_pays(self, context: list[int]) -> bool:
+        """The sizer's verdict on this step's first draft forward (yes before a forward was timed)."""
+        if self.root_pays is None or self.forward_s is None:
+            return True
+        return self.root_pays(context[-1], self.source, len(context), self.forward_s)
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_nodes: int) -> DraftTree:
@@ -253,8 +270,10 @@ class DraftModelProposer:
         return self.grow_pays(tree, frontier, context_len, self.forward_s)
 
     def use_sizer(self, sizer: Any) -> None:
-        """Let a cost-aware sizer stop the tree's growth where another layer cannot pay (`grow_pays`)."""
+        """Let a cost-aware sizer stop the tree's growth where another layer cannot pay (`grow_pays`), and skip
+        the draft where even its first forward cannot (`root_pays`)."""
         self.grow_pays = getattr(sizer, "grow_pays", None)
+        self.root_pays = getattr(sizer, "root_pays", None)
 
     def _sample_chain(self, tree: DraftTree, root_logits: torch.Tensor, context_len: int, max_nodes: int) -> None:
         """Sampling: a chain drawn from q, with q kept on every node for exact verification.

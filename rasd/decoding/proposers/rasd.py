@@ -155,6 +155,8 @@ class RasdProposer:
         trees = trees + earlier   # a history match counts as a match (gate, recycling fallback, bucket)
         use_draft = self.draft is not None and (self.gate is None or self.gate.choose(len(context),
                                                                                      self._gate_bucket(trees)))
+        if use_draft and hasattr(self.draft, "gate_open"):   # a local draft: can its first forward pay?
+            use_draft = self.draft.gate_open(context)
         probs = (self.probs_fn(context) if self.probs_fn is not None and retrieved.num_draft_tokens
                  and (use_draft or not self._probs_from_draft) else None)
         kept, pruned = prune(retrieved, probs, self.prune_config)

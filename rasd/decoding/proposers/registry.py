@@ -87,6 +87,15 @@ class MethodSpec:
         """Whether this method, given `--draft-model draft_model`, drafts with the target's EAGLE head."""
         return self.draft == HEAD or (self.draft == HEAD_BY_DEFAULT and not draft_model)
 
+    def gates_draft(self, draft_model: str | None) -> bool:
+        """Whether, with cost sizing, a `DraftGate` decides per step if this method runs its draft model.
+
+        Not for the EAGLE head: the gate's bandit was built for the EESD self-draft (a quarter of a target step
+        a draft token) and kept the head off on Spec-Bench qa and writing, where one head node a step was
+        accepted half the time (docs/lab-notes/eagle.md, 2026-11-29). The head costs ≈ 7% of a step; the cost
+        sizer judges its first forward (`CostAwareSizer.root_pays`) as it judges every later layer."""
+        return self.gate_block is not None and not self.uses_head(draft_model)
+
     def ldlp_drafter(self, draft_model: str | None) -> str:
         """The tag an LDLP is trained and stored under for this method's drafter."""
         if self.uses_head(draft_model):

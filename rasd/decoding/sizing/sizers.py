@@ -243,6 +243,13 @@ class CostAwareSizer(SizerDefaults):
         # Where drafts never help (free writing), a fixed interval costs ~2% (one bigger forward in 16).
         self._backoff = 1
         self._exploring = False
+        # The drafter's first forward of a step (`root_pays`): refused steps since the last draft, the interval
+        # before it drafts anyway (doubling while the rule keeps refusing after such a draft), and whether the
+        # next `cut` must verify the nodes that draft proposed (else a low rate would never be measured again).
+        self._root_refused = 0
+        self._root_backoff = 1
+        self._root_explored = False
+        self._verify_next = False
 
     def latency(self, curve: CostCurve, n_tokens: int) -> float:
         """The measured curve's latency, scaled by what verifying trees of this size class really took."""
@@ -261,7 +268,7 @@ class CostAwareSizer(SizerDefaults):
         """The prefix-closed subtree of the best size (possibly just the root)."""
         curve = self._curve = self.curve_for(context_len)
         if tree.num_draft_tokens == 0:
-            self.last_choice = (0, 0)
+            self.last_choice, self._verify_next = (0, 0), False
             return tree
         probs = self.estimator.path_probs(tree)
         sampled, ranked = rank_nodes(tree, probs)
@@ -271,7 +278,9 @@ class CostAwareSizer(SizerDefaults):
         best_n, _ = self._best_prefix([probs[i] for i in ranked[:limit]], base, gain, floor, curve)
         self._plain_steps = self._plain_steps + 1 if best_n == 0 else 0
         self._exploring = False
-        if self._plain_steps >= self.explore_every * self._backoff:   # estimates/costs may be stale: look again
+        explore = self._plain_steps >= self.explore_every * self._backoff or (self._verify_next and best_n == 0)
+        self._verify_next = False
+        if explore:   # estimates/costs may be stale: look again
             best_n, self._plain_steps = min(self.explore_nodes, limit), 0
             self._exploring = best_n > 0
         self.last_choice = (tree.num_draft_tokens, best_n + len(sampled))
@@ -286,6 +295,31 @@ class CostAwareSizer(SizerDefaults):
         The rule itself is `GrowRule.pays`, on this step's estimates and costs.
         """
         return self.grow_rule(context_len, len(tree) - 1 + len(frontier)).pays(tree, frontier, forward_s)
+
+    def root_pays(self, root_token: int, source: str, context_len: int, forward_s: float) -> bool:
+        """Whether a drafter's first forward this step (the one that gives the root's children) can pay.
+
+        Why: `grow_pays` guards every layer after the first, and the draft gate (`sizing.gate`) guarded the first
+        with a bandit built for the EESD self-draft (a quarter of a target step a draft token). An EAGLE head
+        costs ≈ 7% of a step, and one head node a step was accepted about half the time on Spec-Bench qa and
+        writing where the gate kept it off (1.18x `ar` against 1.07x). This asks the same question as
+        `grow_pays` of the root alone, with the source's learnt depth-1 rate. A refused drafter brings no
+        evidence, so after `explore_every × backoff` refused steps it drafts anyway and the next `cut` verifies
+        what it drafted (the backoff doubles while the rule keeps refusing after such a step, up to `max_backoff`).
+        """
+        root = DraftTree.root_only(root_token)
+        if self.grow_rule(context_len, 1).pays(root, [0], forward_s, source=source):
+            self._root_refused, self._root_explored = 0, False
+            self._root_backoff = 1
+            return True
+        if self._root_explored:   # refused right after a draft that was let through to be measured
+            self._root_backoff = min(2 * self._root_backoff, self.max_backoff)
+            self._root_explored = False
+        self._root_refused += 1
+        if self._root_refused < self.explore_every * self._root_backoff:
+            return False
+        self._root_refused, self._root_explored, self._verify_next = 0, True, True
+        return True
 
     def grow_rule(self, context_len: int, nodes: int | None = None) -> GrowRule:
         """`grow_pays`'s inputs for one step at this context: what a draft worker in another process needs to
@@ -341,17 +375,19 @@ class GrowRule:
     step_s: list[float]        # [n + 1]: seconds of a step verifying 1 .. n + 1 tree tokens (n <= the budget)
     margin: float = 1.05
 
-    def pays(self, tree: DraftTree, frontier: list[int], forward_s: float) -> bool:
+    def pays(self, tree: DraftTree, frontier: list[int], forward_s: float, source: str | None = None) -> bool:
         """One step of look-ahead: each frontier node gets one hypothetical child at its path p̂ times the
         source's learnt rate one level deeper; growing pays when the best cut of that tree, charged the draft
-        forward, beats the best cut of the tree as it is. Under sampling the drafter asks only about nodes
+        forward, beats the best cut of the tree as it is. `source`: the children's source when it is not
+        their parent's (the root's children: the drafter's). Under sampling the drafter asks only about nodes
         already drawn, so the decision never depends on a node's own value."""
         probs = self.estimator.path_probs(tree)
         depths = tree.depths()
         now = [probs[i] for i in range(1, len(tree))]
-        rates = {src: self.estimator.coarse_rates(src) for src in {tree.sources[f] for f in frontier}}
-        deeper = [probs[f] * rates[tree.sources[f]][min(depths[f] + 1, self.estimator.max_depth)]
-                  for f in frontier]
+        child_source = [source or tree.sources[f] for f in frontier]
+        rates = {src: self.estimator.coarse_rates(src) for src in set(child_source)}
+        deeper = [probs[f] * rates[src][min(depths[f] + 1, self.estimator.max_depth)]
+                  for f, src in zip(frontier, child_source, strict=True)]
         budget = len(self.step_s) - 1
         plain = self.margin / self.step_s[0]
         grown = best_prefix(sorted(deeper + now, reverse=True)[:budget], 1, 1.0, plain, self._step, forward_s)
