@@ -413,6 +413,10 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
         proposer_options.setdefault("gate", DraftGate(block=spec.gate_block))
     if proposer_options.get("gate") is False:            # `gate=off`: the sizer alone decides every step
         proposer_options["gate"] = None
+    if proposer_options.get("gate") is True:             # `gate=on`: a gate where the method has none by default
+        if spec.gate_block is None:
+            raise ValueError(f"method {method!r} runs no draft model: it has no draft gate to turn on")
+        proposer_options["gate"] = DraftGate(block=spec.gate_block)
     sizer_options: dict[str, Any] = {}
     if sizing == "ldlp":
         sizer_options = {"target": target.model, "model_name": target.name, "drafter": drafter,

@@ -158,8 +158,10 @@ def test_gate_on_or_off_is_the_callers_choice() -> None:
     target = tiny_target("tiny-gate-off")
     head = EagleHead(target.model).eval()
     assert build_decoder(target, "eagle", head=head).proposer.gate is None
-    gated = build_decoder(target, "eagle", head=head, gate=DraftGate(block=4))
+    gated = build_decoder(target, "eagle", head=head, gate=True)
     assert isinstance(gated.proposer.gate, DraftGate)
+    with pytest.raises(ValueError, match="no draft gate"):
+        build_decoder(target, "pld", gate=True)
     assert build_decoder(target, "eagle", head=head, gate=False).proposer.gate is None
     prompt = random_prompt(12, 3)
     assert_greedy_equal(target.model, prompt, gated.generate(prompt, 20).token_ids,
