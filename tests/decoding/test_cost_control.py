@@ -421,3 +421,23 @@ def test_a_refused_drafter_is_let_through_now_and_then_and_what_it_drafts_is_ver
     for _ in range(300):
         sizer.observe(chain(12), [], overhead_s=0.0)
     assert steps_until_let_through() == 3                  # the backoff restarted when the rule granted
+
+
+def test_one_slow_verification_does_not_lock_a_tree_size_out_for_good() -> None:
+    """A 2-token tree once verified ten times slower than its curve (a first use of a shape, a busy second)
+    makes such trees too dear for a while; plain steps at the curve's speed bring the class back, so the
+    sizer verifies them again (before, the class was never observed again and stayed locked out)."""
+    sizer = trained_sizer(flat, accept=True)
+    plain, one = DraftTree.root_only(0), chain(1)
+
+    def plain_steps(n: int) -> None:
+        for _ in range(n):
+            sizer.cut(plain, 100)
+            sizer.observe(plain, [], overhead_s=0.0, verify_s=flat(100).latency(1))
+
+    plain_steps(20)
+    assert sizer.cut(one, 100).num_draft_tokens == 1
+    sizer.observe(one, [1], overhead_s=0.0, verify_s=10 * flat(100).latency(2))
+    assert sizer.cut(one, 100).num_draft_tokens == 0
+    plain_steps(200)
+    assert sizer.cut(one, 100).num_draft_tokens == 1
