@@ -10,8 +10,8 @@ by `_mkl_reorder_linear_weight`, what torch.compile uses for CPU linears), skips
 that dominates these products at 4 <= M <= 16: on the AVX-512 machine the 576 -> 1536 product at M = 8
 takes 53 us instead of 84, the LM head 4.3 ms instead of 7.8. Its rows do not depend on M (a row's result is
 the same alone or among 63 others). So the choice is measured, not assumed: when `install` patches a model,
-every form is timed a few times for each weight shape and M bucket (1, 2, 4, ..., 64) and the fastest is kept
-for the process (a shape first met later is timed then; `linear_choices()` shows them;
+every form is timed for each weight shape and M bucket (1, 2, 4, ..., 64), the layers' weights in passes over
+the whole model as a decoding step reads them (`_sweep`), and the fastest is kept for the process (a shape first met later is timed then; `linear_choices()` shows them;
 `RASD_LINEAR=stock|transposed|packed|padded` forces one). One row (a plain step) is tuned too: there some
 BLAS builds take a slow matrix-vector path, and the row padded to two or MKL's packed product is faster.
 A packed weight is refreshed when the weight changes. A transposed product comes out column-major; it is
@@ -120,7 +120,7 @@ def _rows_bucket(rows: int) -> int:
 
 def _form(weight: torch.Tensor, rows: int, head: bool) -> str:
     """The fastest form for this weight shape and row count (measured once per process and key)."""
-    key = (*weight.shape, _rows_bucket(rows), weight.dtype, torch.get_num_threads(), head)
+    key = _key(weight, rows, head)
     choice = _CHOICES.get(key)
     if choice is None:   # the environment is read here, once per key, not on every product
         forced = os.environ.get("RASD_LINEAR", "auto")
@@ -199,17 +199,76 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
 
     Why up front: measured lazily, the first tree of each size would carry the timing (≈ 0.1 s for the LM
     head) and the cost-aware sizer, which learns from measured verification times, would take that size
-    for expensive. Once per (shape, bucket, threads) in a process: about a second for SmolLM2-135M. The
+    for expensive. Once per (shape, bucket, threads) in a process: a few seconds for SmolLM2-135M. The
     weights whose shape packs best for some bucket are packed here too, for the same reason.
+
+    The layers' products are timed as decoding runs them, one after another over the whole model
+    (`_sweep`); the LM head alone is larger than any cache, so timing its weight by itself is already fair.
     """
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, torch.nn.Linear) or weight is None or weight.device.type != "cpu":
-            continue
-        is_head = module is head
-        forms = {_form(weight, 1 << b, is_head) for b in range(_MAX_TUNED_ROWS.bit_length())}
-        if PACKED in forms:
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
+               and getattr(m, "weight", None) is not None and m.weight.device.type == "cpu"]
+    body = [m for m in linears if m is not head]
+    if os.environ.get("RASD_LINEAR", "auto") == "auto" and len(body) > 1:
+        for b in range(_MAX_TUNED_ROWS.bit_length()):
+            _sweep(body, 1 << b)
+    for module in linears:
+        forms = {_form(module.weight, 1 << b, module is head) for b in range(_MAX_TUNED_ROWS.bit_length())}
+        if PACKED not in forms:
+            _PACKS.pop(module, None)   # packed only to be timed
+        else:
             _packed_weight(module)
+
+
+def _key(weight: torch.Tensor, rows: int, head: bool) -> tuple[Any, ...]:
+    return (*weight.shape, _rows_bucket(rows), weight.dtype, torch.get_num_threads(), head)
+
+
+@torch.inference_mode()
+def _sweep(modules: list[torch.nn.Linear], rows: int) -> None:
+    """Choose the form for `rows` rows of every weight shape in `modules` from passes over all of them in turn.
+
+    Why not one weight at a time (`_time_forms`): timed alone, a 576 x 1536 weight (3.5 MB) stays in the
+    cache between repetitions, where in decoding each weight is read once per step from memory, after the
+    rest of the model's 540 MB. On an AVX2 EPYC the one-weight timings chose `F.linear` for one row, whose
+    matrix-vector kernel is slow on a cold weight: a plain step took 32 ms, against 21.5 ms with the row
+    padded to two (and 22 ms for a two-token tree). A pass over the model in its order is what decoding does.
+    """
+    todo = [m for m in modules if _key(m.weight, rows, False) not in _CHOICES]
+    if not todo:
+        return
+    inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], dtype=m.weight.dtype) for m in todo}
+    forms = {STOCK: lambda m, x: F.linear(x, m.weight),
+             (PADDED if rows == 1 else TRANSPOSED): ((lambda m, x: _padded(m.weight, x, False)) if rows == 1
+                                                     else (lambda m, x: _transposed(m.weight, x, False)))}
+    if all(_can_pack(m.weight) for m in todo):
+        forms[PACKED] = lambda m, x: torch.ops.mkl._mkl_linear(x, _packed_weight(m), m.weight, None, rows)
+        for m in todo:
+            _packed_weight(m)
+    best = pass_times(todo, inputs, forms)
+    for shape, times in best.items():
+        fastest = min(times, key=times.__getitem__)
+        _CHOICES[(*shape, _rows_bucket(rows), todo[0].weight.dtype, torch.get_num_threads(), False)] = (
+            fastest if times[fastest] < 0.9 * times[STOCK] else STOCK)
+
+
+def pass_times(modules: list[torch.nn.Linear], inputs: dict[int, torch.Tensor], forms: dict[str, Any],
+               rounds: int = 3, clock: Any = time.perf_counter) -> dict[tuple[int, int], dict[str, float]]:
+    """Per weight shape and form, the least (over `rounds` passes) summed time of that form's products over all
+    `modules` of the shape, each pass running one form over every module in model order."""
+    best: dict[tuple[int, int], dict[str, float]] = {}
+    order = list(forms)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[: r % len(order)]:   # rotate: no form always goes first
+            sums: dict[tuple[int, int], float] = {}
+            for module in modules:
+                shape = (int(module.weight.shape[0]), int(module.weight.shape[1]))
+                t0 = clock()
+                forms[name](module, inputs[shape[1]])
+                sums[shape] = sums.get(shape, 0.0) + clock() - t0
+            for shape, total in sums.items():
+                slot = best.setdefault(shape, {})
+                slot[name] = min(slot.get(name, float("inf")), total)
+    return best
 
 
 @contextmanager

@@ -294,3 +294,26 @@ def test_every_forced_form_computes_the_product_for_one_row_and_several(form: st
     choices = kernels.linear_choices()
     assert choices[f"{out_features}x24@1"] == form
     assert choices[f"{out_features}x24@4"] == ("transposed" if form == "padded" else form)
+
+
+def test_layer_products_are_timed_in_passes_over_the_whole_model() -> None:
+    """Each pass runs one form over every module in model order (as a decoding step reads the weights, each
+    once and cold), and a shape's time is its modules' sum, the least over the rounds."""
+    from rasd.decoding import kernels
+
+    modules = [torch.nn.Linear(24, 40), torch.nn.Linear(40, 24), torch.nn.Linear(24, 40)]
+    inputs = {24: torch.zeros(1, 24), 40: torch.zeros(1, 40)}
+    now, calls = [0.0], []
+
+    def form(name: str, cost: float):  # noqa: ANN202
+        def run(module: torch.nn.Linear, x: torch.Tensor) -> None:
+            calls.append((name, modules.index(module)))
+            now[0] += cost * (3.0 if len(calls) <= 3 else 1.0)     # the very first pass is slow (cold start)
+        return run
+
+    best = kernels.pass_times(modules, inputs, {"stock": form("stock", 2.0), "padded": form("padded", 1.0)},
+                              rounds=2, clock=lambda: now[0])
+    assert calls[:3] == [("stock", 0), ("stock", 1), ("stock", 2)] and calls[3:6] == [("padded", 0), ("padded", 1),
+                                                                                      ("padded", 2)]
+    assert calls[6][0] == "padded"                                  # the second round starts with another form
+    assert best[(40, 24)] == {"stock": 4.0, "padded": 2.0} and best[(24, 40)] == {"stock": 2.0, "padded": 1.0}
