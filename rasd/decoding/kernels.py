@@ -11,8 +11,9 @@ that dominates these products at 4 <= M <= 16: on the AVX-512 machine the 576 ->
 takes 53 us instead of 84, the LM head 4.3 ms instead of 7.8. Its rows do not depend on M (a row's result is
 the same alone or among 63 others). So the choice is measured, not assumed: when `install` patches a model,
 every form is timed for each weight shape and M bucket (1, 2, 4, ..., 64), the layers' weights in passes over
-the whole model as a decoding step reads them (`_sweep`), and the fastest is kept for the process (a shape first met later is timed then; `linear_choices()` shows them;
-`RASD_LINEAR=stock|transposed|packed|padded` forces one). One row (a plain step) is tuned too: there some
+the whole model as a decoding step reads them (`_sweep`), and the fastest is kept for the process (a shape
+first met later is timed then; `linear_choices()` shows them; `RASD_LINEAR=stock|transposed|packed|padded`
+forces one). One row (a plain step) is tuned too: there some
 BLAS builds take a slow matrix-vector path, and the row padded to two or MKL's packed product is faster.
 A packed weight is refreshed when the weight changes. A transposed product comes out column-major; it is
 copied to a row-major layout, because a query whose last dimension is strided sends
