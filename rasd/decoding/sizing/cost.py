@@ -31,7 +31,8 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_BUCKETS = (256, 1024, 2048, 4096)
 # Part of the cache key: bump it whenever the verification kernels change cost, so that curves measured
 # with older kernels are measured again instead of steering tree sizes for ever.
-CURVE_VERSION = 5   # 3: the lean forward; 4: a load probe beside the latencies; 5: one-row kernels tuned
+CURVE_VERSION = 6   # 3: the lean forward; 4: a load probe beside the latencies; 5: one-row kernels tuned;
+# 6: layer kernels chosen in passes over the whole model (a plain step got cheaper against a tree)
 # A cached curve whose probe ran this much slower than the probe now was measured on a busy machine.
 STALE_PROBE_RATIO = 1.25
 # A curve read (and its probe checked) in this process is trusted for this long: a service builds a decoder
