@@ -354,14 +354,13 @@ class CostAwareSizer(SizerDefaults):
         observed only when a tree of its size is verified, and one slow verification (a first use of a shape,
         a busy second) made trees of that size look too dear to verify again, so the class was never measured
         again: `pld` once drafted 40 nodes in 1,555 Spec-Bench steps and ran at 0.99x `ar` for a whole run,
-        where it runs 1.15x. The mean is refreshed every step, plain ones included, so it is the right anchor.
-        A class's first observation is likewise averaged with the mean rather than taken whole."""
+        where it runs 1.15x. The mean is refreshed every step, plain ones included, so it is the right anchor."""
         anchor = ratio if self.observed_all is None else self.observed_all
         for other, value in self.observed.items():
             if other != key:
                 self.observed[other] = anchor + (value - anchor) * self.latency_drift
-        old = self.observed.get(key, anchor)
-        self.observed[key] = 0.8 * old + 0.2 * ratio
+        old = self.observed.get(key)
+        self.observed[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
         self.observed_all = ratio if self.observed_all is None else 0.9 * self.observed_all + 0.1 * ratio
 
 
