@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rasd import paths
-from rasd.decoding import fast_forward
+from rasd.decoding import fast_forward, kernels
 
 FORMAT = "rasd-eagle-1"
 VOCAB_KEY = "draft_vocab"
@@ -152,7 +152,11 @@ class EagleHead(nn.Module):
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary [.., V'] from predicted features [.., H]."""
-        return F.linear(predicted, self._rows)
+        return kernels.product(predicted, self._rows)
+
+    def bare_weights(self) -> list[torch.Tensor]:
+        """Weights multiplied outside an nn.Linear (`kernels.install` times their products too)."""
+        return [self._rows]
 
     def full_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Draft logits over the whole vocabulary [.., V], -inf outside the draft vocabulary."""

@@ -48,6 +48,8 @@ _CHOICES: dict[tuple[Any, ...], str] = {}   # (out, in, M bucket, dtype, threads
 _TUNE_ROUNDS = 5
 _MAX_TUNED_ROWS = 64   # trees; a prefill (hundreds of rows) is not skinny: stock, and no timing on the way
 _PACK_ROWS = 16        # the row count MKL is told to pack for (the packed product then serves any M)
+_EVICT_BYTES = 64 << 20   # more than a core's last-level cache on the machines seen (`_evict`)
+_EVICT: torch.Tensor | None = None
 # module -> ((weight pointer, version), packed weight). Kept off the module: a packed tensor is opaque, and a
 # model that carried one could no longer be pickled (Ray) or deep-copied.
 _PACKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], torch.Tensor]] = \
@@ -80,6 +82,48 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
             out = out + self.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` for a weight that no nn.Linear owns, with a head's read-only output (an EAGLE head's
+    rows of the target's LM head), by the form measured fastest for its rows inside `fast_kernels()`.
+
+    Why: that product is a third of a head forward's bytes, and `F.linear`'s one- and few-row kernels read a cold
+    8192 x 576 weight at 1.2-2.3 ms where the padded or transposed form takes 0.5-0.7 ms (AVX2 EPYC). No packed
+    form: there is no module to keep a packed copy on.
+    """
+    if not fast_enabled() or x.device.type != "cpu":
+        return F.linear(x, weight)
+    rows = x.reshape(-1, x.shape[-1])   # [M, in]
+    if rows.shape[0] > _MAX_TUNED_ROWS:
+        return F.linear(x, weight)
+    form = _bare_form(weight, rows.shape[0])
+    if form == STOCK:
+        return F.linear(x, weight)
+    out = _padded(weight, rows, True) if form == PADDED else _transposed(weight, rows, True)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _bare_form(weight: torch.Tensor, rows: int) -> str:
+    """`_form` for a weight without a module: timed with the cache emptied before every product, as it is read in
+    decoding (after the target's weights), and never packed."""
+    key = (*weight.shape, _rows_bucket(rows), weight.dtype, torch.get_num_threads(), "bare")
+    choice = _CHOICES.get(key)
+    if choice is None:
+        forced = os.environ.get("RASD_LINEAR", "auto")
+        if forced == PADDED and key[2] != 1:
+            forced = TRANSPOSED
+        choice = forced if forced in (STOCK, TRANSPOSED, PADDED) else _time_forms(weight, key[2], True, cold=True)
+        _CHOICES[key] = choice
+    return choice
+
+
+def _evict() -> None:
+    """Touch a buffer larger than the last-level cache, so that the next product reads its weight from memory."""
+    global _EVICT
+    if _EVICT is None:
+        _EVICT = torch.zeros(_EVICT_BYTES // 4)
+    _EVICT.add_(1.0)
 
 
 def _padded(weight: torch.Tensor, row: torch.Tensor, head: bool) -> torch.Tensor:
@@ -139,20 +183,23 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 @torch.inference_mode()
-def _time_forms(weight: torch.Tensor, rows: int, head: bool) -> str:
-    """Best of a few interleaved timings of each form; another form must beat `F.linear` by 10% to be used."""
+def _time_forms(weight: torch.Tensor, rows: int, head: bool, cold: bool = False) -> str:
+    """Best of a few interleaved timings of each form; another form must beat `F.linear` by 10% to be used.
+    `cold`: empty the cache before every product, and leave the packed form out (`_bare_form`)."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
     forms: dict[str, Any] = {STOCK: lambda: F.linear(x, weight)}
     if rows == 1:   # a plain decoding step (and a draft model's chain): matrix-vector kernels vary the most
         forms[PADDED] = lambda: _padded(weight, x, head)
     else:
         forms[TRANSPOSED] = lambda: _transposed(weight, x, head)
-    if _can_pack(weight):
+    if _can_pack(weight) and not cold:
         packed = _pack(weight)
         forms[PACKED] = lambda: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
     best = dict.fromkeys(forms, float("inf"))
     for _ in range(_TUNE_ROUNDS):
         for name, run in forms.items():
+            if cold:
+                _evict()
             t0 = time.perf_counter()
             run()
             best[name] = min(best[name], time.perf_counter() - t0)
@@ -212,6 +259,9 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
     if os.environ.get("RASD_LINEAR", "auto") == "auto" and len(body) > 1:
         for b in range(_MAX_TUNED_ROWS.bit_length()):
             _sweep(body, 1 << b)
+    for weight in getattr(model, "bare_weights", list)():   # products without a module (`product`)
+        for b in range(_MAX_TUNED_ROWS.bit_length()):
+            _bare_form(weight, 1 << b)
     for module in linears:
         forms = {_form(module.weight, 1 << b, module is head) for b in range(_MAX_TUNED_ROWS.bit_length())}
         if PACKED not in forms:

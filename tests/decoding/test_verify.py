@@ -317,3 +317,25 @@ def test_layer_products_are_timed_in_passes_over_the_whole_model() -> None:
                                                                                       ("padded", 2)]
     assert calls[6][0] == "padded"                                  # the second round starts with another form
     assert best[(40, 24)] == {"stock": 4.0, "padded": 2.0} and best[(24, 40)] == {"stock": 2.0, "padded": 1.0}
+
+
+def test_a_weight_no_linear_owns_is_tuned_at_install_and_gives_f_linears_product() -> None:
+    """An EAGLE head's rows of the LM head are multiplied outside an nn.Linear (`kernels.product`): `install` times
+    their forms up front (none mid-decoding), and every form gives F.linear's product, for one row or several."""
+    from rasd.decoding import kernels
+
+    class WithBareWeight(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(24, 24)
+            self.rows = torch.randn(39, 24)
+
+        def bare_weights(self) -> list[torch.Tensor]:
+            return [self.rows]
+
+    model = install(WithBareWeight())
+    assert {"39x24@1 head", "39x24@2 head", "39x24@64 head"} <= set(kernels.linear_choices())
+    for x in (torch.randn(24), torch.randn(1, 24), torch.randn(3, 24), torch.randn(2, 5, 24)):
+        with torch.inference_mode(), fast_kernels():
+            out = kernels.product(x, model.rows)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, model.rows))

@@ -279,11 +279,12 @@ class CostAwareSizer(SizerDefaults):
         best_n, _ = self._best_prefix([probs[i] for i in ranked[:limit]], base, gain, floor, curve)
         self._plain_steps = self._plain_steps + 1 if best_n == 0 else 0
         self._exploring = False
-        explore = self._plain_steps >= self.explore_every * self._backoff or (self._verify_next and best_n == 0)
-        self._verify_next = False
-        if explore:   # estimates/costs may be stale: look again
+        if self._plain_steps >= self.explore_every * self._backoff:   # estimates/costs may be stale: look again
             best_n, self._plain_steps = min(self.explore_nodes, limit), 0
             self._exploring = best_n > 0
+        elif self._verify_next and best_n == 0:   # a drafter `root_pays` let through: measure what it drafted
+            best_n = min(self.explore_nodes, limit)   # (the sizer's own exploration schedule is left as it was)
+        self._verify_next = False
         self.last_choice = (tree.num_draft_tokens, best_n + len(sampled))
         return tree.subtree(sampled + ranked[:best_n])
 
