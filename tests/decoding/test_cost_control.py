@@ -441,3 +441,22 @@ def test_one_slow_verification_does_not_lock_a_tree_size_out_for_good() -> None:
     assert sizer.cut(one, 100).num_draft_tokens == 0
     plain_steps(200)
     assert sizer.cut(one, 100).num_draft_tokens == 1
+
+
+def test_siblings_share_one_parents_chance_so_their_estimates_never_sum_past_it() -> None:
+    """At most one child of a node is accepted: however many candidate continuations a proposer offers, their p̂
+    sum to no more than their parent's, and the sizer keeps fewer of them on a curve where tokens cost time."""
+    est = AcceptanceEstimator(thompson=False)
+    wide = DraftTree.root_only(0)
+    first = wide.add(0, 1, "s", 0.9)
+    for token in range(2, 12):                    # ten siblings under the first node, from one source
+        wide.add(first, token, "s", 0.9)
+    for _ in range(100):                          # the source is right two times in three
+        est.update(chain(3), [1, 2])
+    probs = est.path_probs(wide)
+    assert sum(probs[2:]) == pytest.approx(probs[first])              # their rates summed past 1: scaled to 1
+    assert probs[2] >= probs[5] and probs[first] == pytest.approx(est.rate(est.node_keys(wide)[1]))
+    sizer = CostAwareSizer(lambda n: CostCurve(key="c", context_len=256, sizes=[1, 2, 4, 8, 16],
+                                               latency_s=[0.025, 0.025, 0.03, 0.05, 0.07]),
+                           estimator=est)
+    assert sizer.cut(wide, 100).num_draft_tokens <= 4

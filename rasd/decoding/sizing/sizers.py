@@ -131,11 +131,21 @@ class AcceptanceEstimator:
         return [None] + [self.key(tree, i, depths[i], rank_of[i]) for i in range(1, len(tree))]
 
     def path_probs(self, tree: DraftTree) -> list[float]:
-        """p̂ for every node: product of the sampled conditional rates along its path (root = 1)."""
+        """p̂ for every node: product of the sampled conditional rates along its path (root = 1).
+
+        Siblings are mutually exclusive (at most one child of a node is accepted), so where a node's children's
+        conditional rates sum past 1 they are scaled down to sum to 1, keeping their proportions. Why: every
+        sibling from rank 2 on shares one bucket's rate, shrunk toward the (source, depth) rate that rank 0
+        dominates; a prompt-lookup tree with ten candidate continuations per node then counted several expected
+        tokens per level. On LongBench docqa `pld` kept a 35-node tree at p̂ ≈ 0.2 a node (depth-2 siblings
+        summing to 2.4 under a parent at 0.61) and verified 5.6 tree tokens a step, where a tree capped at 3
+        nodes ran 11% faster for 0.08 fewer accepted tokens.
+        """
         keys = self.node_keys(tree)
         rates: dict[Key, float] = {}
         coarse: dict[str, list[float]] = {}      # per source, computed once per tree
-        probs = [1.0] * len(tree)
+        rate = [1.0] * len(tree)
+        total: dict[int, float] = {}             # parent -> its children's conditional rates, summed
         for i in range(1, len(tree)):
             k = keys[i]
             assert k is not None
@@ -143,7 +153,12 @@ class AcceptanceEstimator:
                 if k[0] not in coarse:
                     coarse[k[0]] = self.coarse_rates(k[0])
                 rates[k] = self.rate(k, coarse[k[0]])
-            probs[i] = probs[tree.parents[i]] * rates[k]
+            rate[i] = rates[k]
+            total[tree.parents[i]] = total.get(tree.parents[i], 0.0) + rate[i]
+        probs = [1.0] * len(tree)
+        for i in range(1, len(tree)):
+            parent = tree.parents[i]
+            probs[i] = probs[parent] * rate[i] / max(1.0, total[parent])
         return probs
 
     def update(self, tree: DraftTree, accepted: list[int]) -> None:
