@@ -455,7 +455,9 @@ def test_siblings_share_one_parents_chance_so_their_estimates_never_sum_past_it(
         est.update(chain(3), [1, 2])
     probs = est.path_probs(wide)
     assert sum(probs[2:]) == pytest.approx(probs[first])              # their rates summed past 1: scaled to 1
-    assert probs[2] >= probs[5] and probs[first] == pytest.approx(est.rate(est.node_keys(wide)[1]))
+    assert probs[first] == pytest.approx(est.rate(est.node_keys(wide)[1]))
+    assert probs[2] == pytest.approx(probs[first] * est.rate(est.node_keys(wide)[2]))   # the likeliest keeps its own
+    assert probs[2] > probs[5] > 0
     sizer = CostAwareSizer(lambda n: CostCurve(key="c", context_len=256, sizes=[1, 2, 4, 8, 16],
                                                latency_s=[0.025, 0.025, 0.03, 0.05, 0.07]),
                            estimator=est)
