@@ -78,10 +78,15 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if form == PACKED:
         out = torch.ops.mkl._mkl_linear(rows, _packed_weight(self), self.weight, self.bias, rows.shape[0])
     else:
-        out = _padded(self.weight, rows, head) if form == PADDED else _transposed(self.weight, rows, head)
+        out = _unpacked(form, self.weight, rows, head)
         if self.bias is not None:
             out = out + self.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _unpacked(form: str, weight: torch.Tensor, rows: torch.Tensor, head: bool) -> torch.Tensor:
+    """The padded or transposed product of `rows` [M, in]: [M, out]."""
+    return _padded(weight, rows, head) if form == PADDED else _transposed(weight, rows, head)
 
 
 def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -97,25 +102,11 @@ def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])   # [M, in]
     if rows.shape[0] > _MAX_TUNED_ROWS:
         return F.linear(x, weight)
-    form = _bare_form(weight, rows.shape[0])
+    form = _form(weight, rows.shape[0], True, bare=True)
     if form == STOCK:
         return F.linear(x, weight)
-    out = _padded(weight, rows, True) if form == PADDED else _transposed(weight, rows, True)
+    out = _unpacked(form, weight, rows, True)
     return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def _bare_form(weight: torch.Tensor, rows: int) -> str:
-    """`_form` for a weight without a module: timed with the cache emptied before every product, as it is read in
-    decoding (after the target's weights), and never packed."""
-    key = (*weight.shape, _rows_bucket(rows), weight.dtype, torch.get_num_threads(), "bare")
-    choice = _CHOICES.get(key)
-    if choice is None:
-        forced = os.environ.get("RASD_LINEAR", "auto")
-        if forced == PADDED and key[2] != 1:
-            forced = TRANSPOSED
-        choice = forced if forced in (STOCK, TRANSPOSED, PADDED) else _time_forms(weight, key[2], True, cold=True)
-        _CHOICES[key] = choice
-    return choice
 
 
 def _evict() -> None:
@@ -163,17 +154,19 @@ def _rows_bucket(rows: int) -> int:
     return rows if rows <= 2 else 1 << (rows - 1).bit_length()
 
 
-def _form(weight: torch.Tensor, rows: int, head: bool) -> str:
-    """The fastest form for this weight shape and row count (measured once per process and key)."""
-    key = _key(weight, rows, head)
+def _form(weight: torch.Tensor, rows: int, head: bool, bare: bool = False) -> str:
+    """The fastest form for this weight shape and row count (measured once per process and key). `bare`: a
+    weight without a module (`product`): timed with the cache emptied before every product, as decoding reads
+    it after the target's weights, and never packed (no module to keep the packed copy on)."""
+    key = _key(weight, rows, "bare" if bare else head)
     choice = _CHOICES.get(key)
     if choice is None:   # the environment is read here, once per key, not on every product
         forced = os.environ.get("RASD_LINEAR", "auto")
-        if forced == PACKED and not _can_pack(weight):
+        if forced == PACKED and (bare or not _can_pack(weight)):
             forced = STOCK
         if forced == PADDED and key[2] != 1:   # padding is a one-row form
             forced = TRANSPOSED
-        choice = forced if forced in _FORMS else _time_forms(weight, key[2], head)
+        choice = forced if forced in _FORMS else _time_forms(weight, key[2], head, cold=bare)
         _CHOICES[key] = choice
     return choice
 
@@ -185,7 +178,7 @@ def _can_pack(weight: torch.Tensor) -> bool:
 @torch.inference_mode()
 def _time_forms(weight: torch.Tensor, rows: int, head: bool, cold: bool = False) -> str:
     """Best of a few interleaved timings of each form; another form must beat `F.linear` by 10% to be used.
-    `cold`: empty the cache before every product, and leave the packed form out (`_bare_form`)."""
+    `cold`: empty the cache before every product, and leave the packed form out (a bare weight, `product`)."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
     forms: dict[str, Any] = {STOCK: lambda: F.linear(x, weight)}
     if rows == 1:   # a plain decoding step (and a draft model's chain): matrix-vector kernels vary the most
@@ -261,7 +254,7 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
             _sweep(body, 1 << b)
     for weight in getattr(model, "bare_weights", list)():   # products without a module (`product`)
         for b in range(_MAX_TUNED_ROWS.bit_length()):
-            _bare_form(weight, 1 << b)
+            _form(weight, 1 << b, True, bare=True)
     for module in linears:
         forms = {_form(module.weight, 1 << b, module is head) for b in range(_MAX_TUNED_ROWS.bit_length())}
         if PACKED not in forms:
@@ -270,7 +263,8 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
             _packed_weight(module)
 
 
-def _key(weight: torch.Tensor, rows: int, head: bool) -> tuple[Any, ...]:
+def _key(weight: torch.Tensor, rows: int, head: bool | str) -> tuple[Any, ...]:
+    """`_CHOICES`' key: (out, in, M bucket, dtype, threads, head flag or "bare")."""
     return (*weight.shape, _rows_bucket(rows), weight.dtype, torch.get_num_threads(), head)
 
 
@@ -295,11 +289,10 @@ def _sweep(modules: list[torch.nn.Linear], rows: int) -> None:
         forms[PACKED] = lambda m, x: torch.ops.mkl._mkl_linear(x, _packed_weight(m), m.weight, None, rows)
         for m in todo:
             _packed_weight(m)
-    best = pass_times(todo, inputs, forms)
-    for shape, times in best.items():
+    one_of = {(int(m.weight.shape[0]), int(m.weight.shape[1])): m.weight for m in todo}
+    for shape, times in pass_times(todo, inputs, forms).items():
         fastest = min(times, key=times.__getitem__)
-        _CHOICES[(*shape, _rows_bucket(rows), todo[0].weight.dtype, torch.get_num_threads(), False)] = (
-            fastest if times[fastest] < 0.9 * times[STOCK] else STOCK)
+        _CHOICES[_key(one_of[shape], rows, False)] = fastest if times[fastest] < 0.9 * times[STOCK] else STOCK
 
 
 def pass_times(modules: list[torch.nn.Linear], inputs: dict[int, torch.Tensor], forms: dict[str, Any],
