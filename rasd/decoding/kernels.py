@@ -10,11 +10,13 @@ by `_mkl_reorder_linear_weight`, what torch.compile uses for CPU linears), skips
 that dominates these products at 4 <= M <= 16: on the AVX-512 machine the 576 -> 1536 product at M = 8
 takes 53 us instead of 84, the LM head 4.3 ms instead of 7.8. Its rows do not depend on M (a row's result is
 the same alone or among 63 others). So the choice is measured, not assumed: when `install` patches a model,
-every form is timed for each weight shape and M bucket (1, 2, 4, ..., 64), the layers' weights in passes over
+every form is timed for each weight shape and M bucket (1, 2, 3, 4, 8, ..., 64), the layers' weights in passes over
 the whole model as a decoding step reads them (`_sweep`), and the fastest is kept for the process (a shape
 first met later is timed then; `linear_choices()` shows them; `RASD_LINEAR=stock|transposed|packed|padded`
 forces one). One row (a plain step) is tuned too: there some
 BLAS builds take a slow matrix-vector path, and the row padded to two or MKL's packed product is faster.
+Three rows (a root and two draft nodes) get their own bucket for the same reason: on an AVX2 EPYC a 3-token
+verification took 28.9 ms against 24.8 ms for 4 tokens, and three rows padded to four cost what four do.
 A packed weight is refreshed when the weight changes. A transposed product comes out column-major; it is
 copied to a row-major layout, because a query whose last dimension is strided sends
 `scaled_dot_product_attention` down its slow math path.
@@ -47,6 +49,8 @@ _FORMS = (STOCK, TRANSPOSED, PACKED, PADDED)
 _CHOICES: dict[tuple[Any, ...], str] = {}   # (out, in, M bucket, dtype, threads, head) -> form
 _TUNE_ROUNDS = 5
 _MAX_TUNED_ROWS = 64   # trees; a prefill (hundreds of rows) is not skinny: stock, and no timing on the way
+_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)   # row counts timed at `install`; others take the next one up
+_PAD_TO = {1: 2, 3: 4}                   # the padded form's row counts (`_padded`)
 _PACK_ROWS = 16        # the row count MKL is told to pack for (the packed product then serves any M)
 _EVICT_BYTES = 64 << 20   # more than a core's last-level cache on the machines seen (`_evict`)
 _EVICT: torch.Tensor | None = None
@@ -117,10 +121,11 @@ def _evict() -> None:
     _EVICT.add_(1.0)
 
 
-def _padded(weight: torch.Tensor, row: torch.Tensor, head: bool) -> torch.Tensor:
-    """One row as the first of two, transposed: [1, out]. Some BLAS builds take a slow matrix-vector path
-    for a single row (the LM head on an AVX2 EPYC: 13.4 ms alone, 10.1 ms as two rows)."""
-    return _transposed(weight, torch.cat([row, torch.zeros_like(row)]), head)[:1]
+def _padded(weight: torch.Tensor, rows: torch.Tensor, head: bool) -> torch.Tensor:
+    """One row as the first of two, or three as the first of four, transposed: [M, out]. Some BLAS builds take a
+    slow path for these row counts (the LM head on an AVX2 EPYC: 13.4 ms for one row, 10.1 ms as two)."""
+    pad = rows.new_zeros(_PAD_TO[rows.shape[0]] - rows.shape[0], rows.shape[1])
+    return _transposed(weight, torch.cat([rows, pad]), head)[: rows.shape[0]]
 
 
 def _transposed(weight: torch.Tensor, rows: torch.Tensor, head: bool) -> torch.Tensor:
@@ -150,8 +155,8 @@ def _packed_weight(module: torch.nn.Linear) -> torch.Tensor:
 
 
 def _rows_bucket(rows: int) -> int:
-    """1, 2, then powers of two (3-4 -> 4, 5-8 -> 8, ...): the cost curve's sizes cover every bucket."""
-    return rows if rows <= 2 else 1 << (rows - 1).bit_length()
+    """1, 2, 3, then powers of two (5-8 -> 8, ...): `_BUCKETS`."""
+    return rows if rows <= 3 else 1 << (rows - 1).bit_length()
 
 
 def _form(weight: torch.Tensor, rows: int, head: bool, bare: bool = False) -> str:
@@ -164,7 +169,7 @@ def _form(weight: torch.Tensor, rows: int, head: bool, bare: bool = False) -> st
         forced = os.environ.get("RASD_LINEAR", "auto")
         if forced == PACKED and (bare or not _can_pack(weight)):
             forced = STOCK
-        if forced == PADDED and key[2] != 1:   # padding is a one-row form
+        if forced == PADDED and key[2] not in _PAD_TO:   # padding is a one- and three-row form
             forced = TRANSPOSED
         choice = forced if forced in _FORMS else _time_forms(weight, key[2], head, cold=bare)
         _CHOICES[key] = choice
@@ -181,9 +186,9 @@ def _time_forms(weight: torch.Tensor, rows: int, head: bool, cold: bool = False)
     `cold`: empty the cache before every product, and leave the packed form out (a bare weight, `product`)."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
     forms: dict[str, Any] = {STOCK: lambda: F.linear(x, weight)}
-    if rows == 1:   # a plain decoding step (and a draft model's chain): matrix-vector kernels vary the most
+    if rows in _PAD_TO:   # a plain decoding step (and a draft model's chain): matrix-vector kernels vary the most
         forms[PADDED] = lambda: _padded(weight, x, head)
-    else:
+    else:                 # (three rows transposed as they are: slower in decoding than four, see `_sweep`)
         forms[TRANSPOSED] = lambda: _transposed(weight, x, head)
     if _can_pack(weight) and not cold:
         packed = _pack(weight)
@@ -250,13 +255,13 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
                and getattr(m, "weight", None) is not None and m.weight.device.type == "cpu"]
     body = [m for m in linears if m is not head]
     if os.environ.get("RASD_LINEAR", "auto") == "auto" and len(body) > 1:
-        for b in range(_MAX_TUNED_ROWS.bit_length()):
-            _sweep(body, 1 << b)
+        for rows in _BUCKETS:
+            _sweep(body, rows)
     for weight in getattr(model, "bare_weights", list)():   # products without a module (`product`)
-        for b in range(_MAX_TUNED_ROWS.bit_length()):
-            _form(weight, 1 << b, True, bare=True)
+        for rows in _BUCKETS:
+            _form(weight, rows, True, bare=True)
     for module in linears:
-        forms = {_form(module.weight, 1 << b, module is head) for b in range(_MAX_TUNED_ROWS.bit_length())}
+        forms = {_form(module.weight, rows, module is head) for rows in _BUCKETS}
         if PACKED not in forms:
             _PACKS.pop(module, None)   # packed only to be timed
         else:
@@ -282,9 +287,11 @@ def _sweep(modules: list[torch.nn.Linear], rows: int) -> None:
     if not todo:
         return
     inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], dtype=m.weight.dtype) for m in todo}
-    forms = {STOCK: lambda m, x: F.linear(x, m.weight),
-             (PADDED if rows == 1 else TRANSPOSED): ((lambda m, x: _padded(m.weight, x, False)) if rows == 1
-                                                     else (lambda m, x: _transposed(m.weight, x, False)))}
+    forms: dict[str, Any] = {STOCK: lambda m, x: F.linear(x, m.weight)}
+    if rows in _PAD_TO:   # not three rows transposed as they are: chosen by these passes on an AVX2 EPYC, they
+        forms[PADDED] = lambda m, x: _padded(m.weight, x, False)   # cost 21.9 ms of a step, padded to four 17.4
+    else:
+        forms[TRANSPOSED] = lambda m, x: _transposed(m.weight, x, False)
     if all(_can_pack(m.weight) for m in todo):
         forms[PACKED] = lambda m, x: torch.ops.mkl._mkl_linear(x, _packed_weight(m), m.weight, None, rows)
         for m in todo:

@@ -398,6 +398,25 @@ def test_root_pays_asks_of_the_first_forward_what_grow_pays_asks_of_later_ones()
     assert trained_sizer(flat, accept=False).root_pays(0, "never-seen", 100, forward_s=0.001)   # the prior
 
 
+def test_the_look_ahead_rates_a_hypothetical_child_as_a_likeliest_child() -> None:
+    """Three siblings verified a step, the likeliest right 30% of the time and the others never: the pooled
+    depth-1 rate falls near 0.1, but the one child a look-ahead adds is a likeliest child, so `root_pays` and
+    `grow_pays` use rank 0's rate. With a forward that costs a tenth of a step, the first forward pays (it is
+    refused when the pooled rate stands in; the old rule)."""
+    sizer = CostAwareSizer(flat, estimator=AcceptanceEstimator(thompson=False))
+    fan = DraftTree.root_only(0)
+    for token in (1, 2, 3):
+        fan.add(0, token, "s", 0.3)
+    for step in range(300):
+        sizer.observe(fan, [1] if step % 10 < 3 else [], overhead_s=0.0)
+    est = sizer.estimator
+    assert est.coarse_rates("s")[1] < 0.15 and est.coarse_rates("s", top=True)[1] == pytest.approx(0.3, abs=0.05)
+    assert sizer.root_pays(0, "s", 100, forward_s=0.005)
+    pooled = est.coarse_rates
+    est.coarse_rates = lambda source, top=False: pooled(source)   # the old rule: every sibling's rate pooled
+    assert not sizer.root_pays(0, "s", 100, forward_s=0.005)
+
+
 def test_a_refused_drafter_is_let_through_now_and_then_and_what_it_drafts_is_verified() -> None:
     """A refused drafter brings no evidence, so every `explore_every × backoff` refused steps it drafts anyway,
     and the next cut verifies its nodes whatever their estimate; the interval doubles (bounded) while the rule

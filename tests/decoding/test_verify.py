@@ -277,7 +277,7 @@ def test_packed_products_follow_weight_changes_and_leave_the_model_picklable(mon
 @pytest.mark.parametrize("form", ["stock", "transposed", "packed", "padded"])
 def test_every_forced_form_computes_the_product_for_one_row_and_several(form: str, monkeypatch) -> None:
     """A plain step (one row) is tuned like the trees: each form gives F.linear's product (to float
-    rounding), and the padded form, which exists for one row, never serves several."""
+    rounding), and the padded form, which exists for one and three rows, never serves other counts."""
     from rasd.decoding import kernels
 
     if form == "packed" and not kernels.packing_available():
@@ -285,7 +285,7 @@ def test_every_forced_form_computes_the_product_for_one_row_and_several(form: st
     monkeypatch.setenv("RASD_LINEAR", form)
     out_features = {"stock": 41, "transposed": 42, "packed": 43, "padded": 44}[form]   # shapes of its own
     layer = install(torch.nn.Sequential(torch.nn.Linear(24, out_features)))[0]
-    for rows in (1, 3):
+    for rows in (1, 3, 5):
         x = torch.randn(1, rows, 24)
         with torch.inference_mode(), fast_kernels():
             out = layer(x)
@@ -293,7 +293,8 @@ def test_every_forced_form_computes_the_product_for_one_row_and_several(form: st
         torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
     choices = kernels.linear_choices()
     assert choices[f"{out_features}x24@1"] == form
-    assert choices[f"{out_features}x24@4"] == ("transposed" if form == "padded" else form)
+    assert choices[f"{out_features}x24@3"] == form
+    assert choices[f"{out_features}x24@8"] == ("transposed" if form == "padded" else form)
 
 
 def test_layer_products_are_timed_in_passes_over_the_whole_model() -> None:

@@ -56,6 +56,11 @@ def coarse_key(key: Key) -> tuple[str, int]:
     return key[0], key[1]
 
 
+def top_key(key: Key) -> tuple[str, int, int] | None:
+    """The (source, depth, rank 0) bucket: how often a parent's likeliest child is accepted (None for others)."""
+    return (key[0], key[1], 0) if key[2] == 0 else None
+
+
 @dataclass
 class AcceptanceEstimator:
     """Beta(α, β) posteriors of P(node accepted | parent accepted)."""
@@ -66,7 +71,7 @@ class AcceptanceEstimator:
     max_rank: int = 2
     seed: int = 0
     thompson: bool = False
-    counts: dict[Key | tuple[str, int], list[float]] = field(default_factory=dict)
+    counts: dict[Key | tuple[str, int] | tuple[str, int, int], list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -98,9 +103,13 @@ class AcceptanceEstimator:
             return self._rng.betavariate(a, b)
         return a / (a + b)
 
-    def coarse_rates(self, source: str) -> list[float]:
+    def coarse_rates(self, source: str, top: bool = False) -> list[float]:
         """Per depth 0..max_depth, the (source, depth) bucket's posterior mean, shrunk toward the prior mean
         or, when higher, the same source's rate one level shallower (index 0, the root: the prior mean).
+        `top`: the rate of a parent's likeliest child alone (rank 0), what a look-ahead's one hypothetical
+        child per node is (`GrowRule.pays`). Why apart: the pooled bucket counts every verified sibling, and
+        at most one of them can be accepted, so three siblings tried a step held an EAGLE head right 26% of
+        the time at depth 1 (Spec-Bench writing) to a pooled 0.12, and its first forward was refused.
 
         Why: a depth that the sizer has never verified kept the prior's 0.4, so its nodes ranked below what
         was already verified and were never tried. A source right at depths 1-3 (an answer repeated from the
@@ -114,7 +123,7 @@ class AcceptanceEstimator:
         means = [prior_mean]
         for d in range(1, self.max_depth + 1):
             target = max(prior_mean, means[-1])
-            a_c, b_c = self.counts.get((source, d), (pa, pb))
+            a_c, b_c = self.counts.get((source, d, 0) if top else (source, d), (pa, pb))
             a, b = a_c - pa + (pa + pb) * target, b_c - pb + (pa + pb) * (1.0 - target)
             means.append(a / (a + b))
         return means
@@ -181,7 +190,9 @@ class AcceptanceEstimator:
             if tree.parents[i] in on_path:
                 k = keys[i]
                 assert k is not None
-                for bucket in (k, coarse_key(k)):
+                for bucket in (k, coarse_key(k), top_key(k)):
+                    if bucket is None:
+                        continue
                     a_b = self.counts.setdefault(bucket, list(self.prior))
                     a_b[0 if i in on_path else 1] += 1.0
 
@@ -421,16 +432,17 @@ class GrowRule:
     margin: float = 1.05
 
     def pays(self, tree: DraftTree, frontier: list[int], forward_s: float, source: str | None = None) -> bool:
-        """One step of look-ahead: each frontier node gets one hypothetical child at its path p̂ times the
-        source's learnt rate one level deeper; growing pays when the best cut of that tree, charged the draft
-        forward, beats the best cut of the tree as it is. `source`: the children's source when it is not
-        their parent's (the root's children: the drafter's). Under sampling the drafter asks only about nodes
-        already drawn, so the decision never depends on a node's own value."""
+        """One step of look-ahead: each frontier node gets one hypothetical child at its path p̂ times the rate
+        at which the source's likeliest child is accepted one level deeper (`coarse_rates(top=True)`); growing
+        pays when the best cut of that tree, charged the draft forward, beats the best cut of the tree as it is.
+        `source`: the children's source when it is not their parent's (the root's children: the drafter's).
+        Under sampling the drafter asks only about nodes already drawn, so the decision never depends on a
+        node's own value."""
         probs = self.estimator.path_probs(tree)
         depths = tree.depths()
         now = [probs[i] for i in range(1, len(tree))]
         child_source = [source or tree.sources[f] for f in frontier]
-        rates = {src: self.estimator.coarse_rates(src) for src in set(child_source)}
+        rates = {src: self.estimator.coarse_rates(src, top=True) for src in set(child_source)}
         deeper = [probs[f] * rates[src][min(depths[f] + 1, self.estimator.max_depth)]
                   for f, src in zip(frontier, child_source, strict=True)]
         budget = len(self.step_s) - 1
