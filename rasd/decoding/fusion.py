@@ -17,7 +17,7 @@ retrieval nodes are deterministic candidates, which may follow in any number).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,13 +88,15 @@ def prune(tree: DraftTree, first_probs: torch.Tensor | None, config: PruneConfig
     return out, tree.num_draft_tokens - len(kept_nodes)
 
 
-def graft_within(base: DraftTree, other: DraftTree, max_nodes: int | None = None) -> DraftTree:
+def graft_within(base: DraftTree, other: DraftTree, max_nodes: int | None = None,
+                 claim: Collection[str] = ()) -> DraftTree:
     """Merge `other` into `base` in place by longest-prefix matching, adding at most up to `max_nodes` nodes.
 
     `other`'s nodes go in best-score first (monotone scores: a parent always precedes its children), so a
     tight budget keeps the likeliest part of `other`. A node whose token already sits under the matched
-    parent merges into it (no duplicate siblings), keeping the base's source and the larger score. `other`
-    must not hold sampled nodes (q): those belong in the base, before any deterministic sibling.
+    parent merges into it (no duplicate siblings), keeping the larger score and the base's source, or taking
+    `other`'s where the base's is one of `claim`. `other` must not hold sampled nodes (q): those belong in the
+    base, before any deterministic sibling (a claimed node keeps its q: only the tag moves).
     """
     if other.tokens[0] != base.tokens[0]:
         raise ValueError("cannot merge trees with different roots")
@@ -119,6 +121,8 @@ def graft_within(base: DraftTree, other: DraftTree, max_nodes: int | None = None
             base.scores.append(other.scores[i])
         else:
             base.scores[node] = max(base.scores[node], other.scores[i])
+            if base.sources[node] in claim:
+                base.sources[node] = other.sources[i]
         remap[i] = node
     return base
 
@@ -134,10 +138,15 @@ def merge_trees(root_token: int, trees: Sequence[DraftTree], max_nodes: int) -> 
     return out.top_nodes(max_nodes)
 
 
-def fuse(draft: DraftTree, retrieved: DraftTree, max_nodes: int) -> DraftTree:
+def fuse(draft: DraftTree, retrieved: DraftTree, max_nodes: int, drafted: Collection[str] = ("draft",)
+         ) -> DraftTree:
     """RASD fusion: graft the (pruned) retrieval tree into the draft tree within a total node budget.
 
     The draft tree is kept whole (its proposer already respected the budget); retrieval nodes fill the
-    remaining room. Returns `draft`, modified in place.
+    remaining room. A token both propose is tagged with the retrieval source (`drafted`: the draft's source
+    tags, which a retrieval source takes over; a node already claimed stays with the first). Why: retrieval
+    costs nothing a step and the draft a forward a layer, so the draft's learnt acceptance (`sizing.sizers`,
+    which decides whether its forwards pay) must count only what it adds; tagged "draft", its nodes were
+    credited with the request's own text they repeated (LongBench docqa). Returns `draft`, modified in place.
     """
-    return graft_within(draft, retrieved, max_nodes)
+    return graft_within(draft, retrieved, max_nodes, claim=drafted)

@@ -417,6 +417,25 @@ def test_the_look_ahead_rates_a_hypothetical_child_as_a_likeliest_child() -> Non
     assert not sizer.root_pays(0, "s", 100, forward_s=0.005)
 
 
+def test_a_drafter_beside_a_confident_free_source_does_not_pay_for_its_forward() -> None:
+    """`root_pays` with the step's free nodes: a drafter right 45% of the time pays for a cheap forward on its
+    own, but not beside the request's own text, whose next token is accepted 90% of the time (a new child
+    adds at most the 10% that one leaves). Beside a weak match it still pays."""
+    sizer = CostAwareSizer(flat, estimator=AcceptanceEstimator(thompson=False))
+    one = DraftTree.root_only(0)
+    one.add(0, 1, "head", 0.5)
+    strong, weak = DraftTree.root_only(0), DraftTree.root_only(0)
+    strong.add(0, 2, "context", 0.9)
+    weak.add(0, 3, "context", 0.2)
+    for step in range(300):
+        sizer.observe(one, [1] if step % 20 < 9 else [], overhead_s=0.0)
+        sizer.observe(strong, [1] if step % 10 < 9 else [], overhead_s=0.0)
+    sizer.observe(weak, [], overhead_s=0.0)
+    assert sizer.root_pays(0, "head", 100, forward_s=0.008)
+    assert not sizer.root_pays(0, "head", 100, forward_s=0.008, tree=strong)
+    assert sizer.root_pays(0, "head", 100, forward_s=0.008, tree=weak)
+
+
 def test_a_refused_drafter_is_let_through_now_and_then_and_what_it_drafts_is_verified() -> None:
     """A refused drafter brings no evidence, so every `explore_every × backoff` refused steps it drafts anyway,
     and the next cut verifies its nodes whatever their estimate; the interval doubles (bounded) while the rule

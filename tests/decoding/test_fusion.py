@@ -123,14 +123,27 @@ def test_fusion_grafts_under_the_deepest_match() -> None:
     fused = fuse(draft_tree(), retrieval_tree(), max_nodes=64)
     assert_well_formed(fused)
     p = paths(fused)
-    # 5→6 matched the draft chain; retrieval's 7 hangs under the draft's 6, beside the draft's 11
-    assert ((5, "draft"), (6, "draft"), (7, "datastore")) in p
-    assert ((5, "draft"), (6, "draft"), (11, "draft")) in p
+    # 5→6 matched the draft chain (and is credited to retrieval, which proposed it for free); retrieval's 7
+    # hangs under the draft's 6, beside the draft's own 11
+    assert ((5, "datastore"), (6, "datastore"), (7, "datastore")) in p
+    assert ((5, "datastore"), (6, "datastore"), (11, "draft")) in p
     assert ((8, "documents"), (9, "documents")) in p and ((10, "context"),) in p
     assert fused.num_draft_tokens == 3 + 1 + 2 + 1
     node_7 = next(i for i in range(len(fused)) if fused.tokens[i] == 7)
     assert fused.tokens[fused.parents[node_7]] == 6
     assert fused.scores[1] == 0.9, "a shared node keeps the larger score"
+
+
+def test_a_shared_node_is_credited_to_the_first_free_source_that_proposed_it() -> None:
+    """Fused after the request's own text, a datastore branch that repeats a context node leaves it tagged
+    "context"; only the draft's own tags are taken over."""
+    draft = DraftTree.chain(0, [10, 4], "eagle", [0.6, 0.3])
+    context = DraftTree.root_only(0)
+    context.add(0, 10, "context", 0.2)
+    store = DraftTree.root_only(0)
+    store.add_path(0, [10, 4], "datastore", [0.5, 0.4])
+    tree = fuse(fuse(draft, context, 8, {"eagle"}), store, 8, {"eagle"})
+    assert tree.tokens == [0, 10, 4] and tree.sources == ["root", "context", "datastore"]
 
 
 @pytest.mark.parametrize("budget", [0, 3, 4, 5, 6, 7, 100])
@@ -161,7 +174,9 @@ def test_fusion_keeps_sampled_nodes_first_with_their_q() -> None:
     assert_well_formed(fused)
     assert set(fused.q) == {first, second}
     assert fused.children(0)[0] == first, "the sampled node is tried first among the root's children"
-    assert fused.sources[first] == "draft" and fused.child_with_token(first, 9) == second
+    assert fused.child_with_token(first, 9) == second
+    assert fused.sources[first] == "documents", "retrieval proposed 8 too: its tag moves, the node's q stays"
+    assert fused.sources[second] == "documents" and fused.q[second] is draft.q[second]
     with pytest.raises(ValueError, match="sampled"):
         graft_within(retrieval_tree(), draft)
     with pytest.raises(ValueError, match="roots"):

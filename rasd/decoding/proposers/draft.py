@@ -71,8 +71,8 @@ class DraftModelProposer:
         # (`CostAwareSizer.grow_pays`); None: grow while candidates clear the probability floor.
         self.grow_pays: Callable[[DraftTree, list[int], int, float], bool] | None = None
         # ... and whether this step's first draft forward can (`CostAwareSizer.root_pays`): (root token,
-        # source, context length, forward seconds) -> bool; None: always draft (the gate aside).
-        self.root_pays: Callable[[int, str, int, float], bool] | None = None
+        # source, context length, forward seconds, free nodes beside) -> bool; None: always draft (gate aside).
+        self.root_pays: Callable[[int, str, int, float, DraftTree | None], bool] | None = None
         self._decision: tuple[int, bool] | None = None   # (context length, draft or not) of this step
         self.last_layers = 0                   # OPT-Tree layers grown by the last propose (statistics, tests)
         self.device = next(model.parameters()).device
@@ -104,21 +104,22 @@ class DraftModelProposer:
             self.gate.reset()
         self._decision = None
 
-    def gate_open(self, context: list[int]) -> bool:
+    def gate_open(self, context: list[int], beside: DraftTree | None = None) -> bool:
         """Whether to run the drafter this step: the gate's arm (when there is one), then whether its first
-        forward can pay (`root_pays`, with a cost sizer). Decided once per step: a caller that asks before
-        `propose` (`rasd`, to know whether to prune with this draft) gets the same answer, counted once."""
+        forward can pay (`root_pays`, with a cost sizer; `beside`: the step's nodes from free sources, which its
+        own would stand beside). Decided once per step: a caller that asks before `propose` (`rasd`, to know
+        whether to prune with this draft) gets the same answer, counted once."""
         if self._decision is not None and self._decision[0] == len(context):
             return self._decision[1]
-        answer = (self.gate is None or self.gate.choose(len(context))) and self._root_pays(context)
+        answer = (self.gate is None or self.gate.choose(len(context))) and self._root_pays(context, beside)
         self._decision = (len(context), answer)
         return answer
 
-    def _root_pays(self, context: list[int]) -> bool:
+    def _root_pays(self, context: list[int], beside: DraftTree | None = None) -> bool:
         """The sizer's verdict on this step's first draft forward (yes before a forward was timed)."""
         if self.root_pays is None or self.forward_s is None:
             return True
-        return self.root_pays(context[-1], self.source, len(context), self.forward_s)
+        return self.root_pays(context[-1], self.source, len(context), self.forward_s, beside)
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_nodes: int) -> DraftTree:

@@ -4,8 +4,9 @@ Each step (arXiv 2503.03434): the retrieval tree is built (`RetrievalProposer`),
 the draft model's next-token probabilities and their retrieval counts, the draft model proposes its own
 tree, and the kept retrieval paths are grafted into it by longest-prefix matching within the node budget;
 the target verifies the fused tree once. Nodes keep their source ("draft", "datastore", "documents",
-"context"; a token proposed by both the draft and retrieval is tagged "draft"), so statistics show whose
-tokens got accepted, and `DecodeStats.pruned_nodes` counts what pruning removed.
+"context"; a token proposed by both the draft and retrieval is tagged with the retrieval source, so the
+draft is credited with what it alone adds: `fusion.fuse`), so statistics show whose tokens got accepted, and
+`DecodeStats.pruned_nodes` counts what pruning removed.
 
 A fourth source is Token Recycling (`recycling`): the target's own top-k recycled from earlier
 verifications. Its tree is fused last, filling whatever budget the other sources leave (it always has a
@@ -155,14 +156,15 @@ class RasdProposer:
         trees = trees + earlier   # a history match counts as a match (gate, recycling fallback, bucket)
         use_draft = self.draft is not None and (self.gate is None or self.gate.choose(len(context),
                                                                                      self._gate_bucket(trees)))
-        if use_draft and hasattr(self.draft, "gate_open"):   # a local draft: can its first forward pay?
-            use_draft = self.draft.gate_open(context)
+        if use_draft and hasattr(self.draft, "gate_open"):   # a local draft: can its first forward pay, beside
+            use_draft = self.draft.gate_open(context, self._free_nodes(context, trees, max_nodes))   # the rest?
         probs = (self.probs_fn(context) if self.probs_fn is not None and retrieved.num_draft_tokens
                  and (use_draft or not self._probs_from_draft) else None)
         kept, pruned = prune(retrieved, probs, self.prune_config)
         # room for the copying sources (the request's own text, then the index) before the draft fills the budget
         reserved = sum(t.num_draft_tokens for t in (*own, *earlier)) + kept.num_draft_tokens
         tree = self._draft_tree(context, max_nodes, reserved, use_draft)
+        drafted = set(tree.sources[1:])   # what a retrieval source proposes too is credited to it (`fuse`)
         # The request's own text (prompt + output) goes in before the datastore: in document QA the cited
         # chunks are in the prompt and small models repeat their own phrasing, so it is the best-accepted
         # source (measured on LongBench QA rows); retrieval branches, pruned, fill the remaining budget.
@@ -172,10 +174,16 @@ class RasdProposer:
         # sources: a long history match is an earlier answer being repeated, a 1-token one is noise
         copying = sorted((*own, *earlier), key=lambda t: -t.bucket)
         for part in (*copying, kept, *recycled):
-            tree = fuse(tree, part, max_nodes)
+            tree = fuse(tree, part, max_nodes, drafted)
         tree.bucket = match_class(max((t.bucket for t in trees), default=0))
         tree.pruned = pruned
         return tree
+
+    def _free_nodes(self, context: list[int], trees: list[DraftTree], max_nodes: int) -> DraftTree:
+        """The candidates this step has without the draft (the copying sources, retrieval unpruned), one tree."""
+        free = merge_trees(context[-1], sorted(trees, key=lambda t: -t.bucket), max_nodes)
+        free.bucket = match_class(max((t.bucket for t in trees), default=0))
+        return free
 
     def _history_trees(self, context: list[int], max_nodes: int) -> list[DraftTree]:
         """The response history's tree, as a list: empty without a history or a match."""

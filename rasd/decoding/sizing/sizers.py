@@ -340,7 +340,8 @@ class CostAwareSizer(SizerDefaults):
         """
         return self.grow_rule(context_len, len(tree) - 1 + len(frontier)).pays(tree, frontier, forward_s)
 
-    def root_pays(self, root_token: int, source: str, context_len: int, forward_s: float) -> bool:
+    def root_pays(self, root_token: int, source: str, context_len: int, forward_s: float,
+                  tree: DraftTree | None = None) -> bool:
         """Whether a drafter's first forward this step (the one that gives the root's children) can pay.
 
         Why: `grow_pays` guards every layer after the first, and the draft gate (`sizing.gate`) guarded the first
@@ -350,9 +351,15 @@ class CostAwareSizer(SizerDefaults):
         `grow_pays` of the root alone, with the source's learnt depth-1 rate. A refused drafter brings no
         evidence, so after `explore_every × backoff` refused steps it drafts anyway and the next `cut` verifies
         what it drafted (the backoff doubles while the rule keeps refusing after such a step, up to `max_backoff`).
+
+        `tree`: the nodes the step has already from sources that cost nothing (`rasd`'s copying candidates), the
+        drafter's children would stand beside them. Why: in document QA the request's own text offers the
+        answer's next tokens at p̂ ≈ 0.9, and asked of a bare root the head's forward looked worth it at every
+        step, while the cut then dropped its nodes, so no evidence ever said otherwise (`rasd` drafted 3.5 ms
+        a step, `pld` was faster).
         """
-        root = DraftTree.root_only(root_token)
-        if self.grow_rule(context_len, 1).pays(root, [0], forward_s, source=source):
+        root = tree if tree is not None else DraftTree.root_only(root_token)
+        if self.grow_rule(context_len, len(root)).pays(root, [0], forward_s, source=source):
             self._root_refused, self._root_explored = 0, False
             self._root_backoff = 1
             return True
@@ -443,7 +450,12 @@ class GrowRule:
         now = [probs[i] for i in range(1, len(tree))]
         child_source = [source or tree.sources[f] for f in frontier]
         rates = {src: self.estimator.coarse_rates(src, top=True) for src in set(child_source)}
-        deeper = [probs[f] * rates[src][min(depths[f] + 1, self.estimator.max_depth)]
+        taken = dict.fromkeys(frontier, 0.0)       # the conditional rates a frontier node's children have already
+        for i in range(1, len(tree)):
+            if tree.parents[i] in taken and probs[tree.parents[i]] > 0:
+                taken[tree.parents[i]] += probs[i] / probs[tree.parents[i]]
+        # a new child beside them adds at most what they leave (`_share_parent`: min(rate, 1 - taken))
+        deeper = [probs[f] * min(rates[src][min(depths[f] + 1, self.estimator.max_depth)], max(0.0, 1.0 - taken[f]))
                   for f, src in zip(frontier, child_source, strict=True)]
         budget = len(self.step_s) - 1
         plain = self.margin / self.step_s[0]
