@@ -241,8 +241,8 @@ def test_cut_inside_a_block_and_acceptance_by_source(name: str) -> None:
         assert_greedy_equal(model, prompt, out.token_ids, ref[:max_new], label=name)
         cut |= committed(out) > max_new
     assert cut and out.stats.mean_accepted_tokens > 3
-    if name == "rasd-draft-self":
-        assert out.stats.accepted_by_source["draft"] > 0
+    if name == "rasd-draft-self":   # the draft (the target itself) repeats the clean copy: the free source is credited
+        assert out.stats.accepted_by_source["documents"] > 0
     elif name.startswith("rasd"):
         assert out.stats.accepted_by_source["datastore"] > 0
 
