@@ -88,6 +88,13 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _unpacked_form(rows: int) -> str:
+    """The unpacked form timed against `F.linear` for this many rows: padded for one and three rows (their BLAS
+    paths are slow: three rows transposed as they are cost 21.9 ms of products a step on an AVX2 EPYC, padded
+    to four 17.4), transposed otherwise."""
+    return PADDED if rows in _PAD_TO else TRANSPOSED
+
+
 def _unpacked(form: str, weight: torch.Tensor, rows: torch.Tensor, head: bool) -> torch.Tensor:
     """The padded or transposed product of `rows` [M, in]: [M, out]."""
     return _padded(weight, rows, head) if form == PADDED else _transposed(weight, rows, head)
@@ -169,8 +176,8 @@ def _form(weight: torch.Tensor, rows: int, head: bool, bare: bool = False) -> st
         forced = os.environ.get("RASD_LINEAR", "auto")
         if forced == PACKED and (bare or not _can_pack(weight)):
             forced = STOCK
-        if forced == PADDED and key[2] not in _PAD_TO:   # padding is a one- and three-row form
-            forced = TRANSPOSED
+        if forced == PADDED:   # padding is a one- and three-row form
+            forced = _unpacked_form(key[2])
         choice = forced if forced in _FORMS else _time_forms(weight, key[2], head, cold=bare)
         _CHOICES[key] = choice
     return choice
@@ -185,11 +192,8 @@ def _time_forms(weight: torch.Tensor, rows: int, head: bool, cold: bool = False)
     """Best of a few interleaved timings of each form; another form must beat `F.linear` by 10% to be used.
     `cold`: empty the cache before every product, and leave the packed form out (a bare weight, `product`)."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    forms: dict[str, Any] = {STOCK: lambda: F.linear(x, weight)}
-    if rows in _PAD_TO:   # a plain decoding step (and a draft model's chain): matrix-vector kernels vary the most
-        forms[PADDED] = lambda: _padded(weight, x, head)
-    else:                 # (three rows transposed as they are: slower in decoding than four, see `_sweep`)
-        forms[TRANSPOSED] = lambda: _transposed(weight, x, head)
+    unpacked = _unpacked_form(rows)
+    forms: dict[str, Any] = {STOCK: lambda: F.linear(x, weight), unpacked: lambda: _unpacked(unpacked, weight, x, head)}
     if _can_pack(weight) and not cold:
         packed = _pack(weight)
         forms[PACKED] = lambda: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
@@ -287,11 +291,9 @@ def _sweep(modules: list[torch.nn.Linear], rows: int) -> None:
     if not todo:
         return
     inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], dtype=m.weight.dtype) for m in todo}
-    forms: dict[str, Any] = {STOCK: lambda m, x: F.linear(x, m.weight)}
-    if rows in _PAD_TO:   # not three rows transposed as they are: chosen by these passes on an AVX2 EPYC, they
-        forms[PADDED] = lambda m, x: _padded(m.weight, x, False)   # cost 21.9 ms of a step, padded to four 17.4
-    else:
-        forms[TRANSPOSED] = lambda m, x: _transposed(m.weight, x, False)
+    unpacked = _unpacked_form(rows)
+    forms: dict[str, Any] = {STOCK: lambda m, x: F.linear(x, m.weight),
+                             unpacked: lambda m, x: _unpacked(unpacked, m.weight, x, False)}
     if all(_can_pack(m.weight) for m in todo):
         forms[PACKED] = lambda m, x: torch.ops.mkl._mkl_linear(x, _packed_weight(m), m.weight, None, rows)
         for m in todo:
