@@ -75,6 +75,20 @@ def test_measure_curve_is_monotone() -> None:
     assert all(b >= a for a, b in zip(c.latency_s, c.latency_s[1:], strict=False))
 
 
+def test_the_default_curve_measures_inside_every_kernel_bucket() -> None:
+    """Between two row counts where the kernels change form (`kernels._BUCKETS`) the cost is not the line
+    between them (1k context, 2-core EPYC: 9 tokens cost 69 ms, the line from 8 to 16 says 57), so the curve
+    measures every bucket's own size and at least one size inside every gap wider than one."""
+    from rasd.decoding.kernels import _BUCKETS
+
+    sizes = cost_mod.DEFAULT_SIZES
+    assert list(sizes) == sorted(set(sizes)) and sizes[0] == 1
+    assert set(_BUCKETS) <= set(sizes)
+    for low, high in zip(_BUCKETS, _BUCKETS[1:], strict=False):
+        if high - low > 1:
+            assert any(low < s < high for s in sizes), (low, high)
+
+
 def test_a_measurement_beats_the_heart_every_round() -> None:
     """A service's stall detector hears from a first measurement while it runs (it is slow, not stuck)."""
     beats: list[float] = []

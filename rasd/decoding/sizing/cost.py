@@ -27,12 +27,17 @@ from rasd.decoding.verify import tree_forward
 from rasd.fsio import atomic_file
 from rasd.paths import cost_dir
 
-DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# Every size up to 6, then two between each power of two. Why not powers of two alone: the kernels change
+# form at 4 and 8 rows (`kernels._BUCKETS`), so a tree between two measured sizes costs more than the line
+# between them says. At 1k tokens of context on a 2-core EPYC, 5 tokens took 41 ms (the line: 37), 9 took 69
+# and 11 took 84 (the line: 57 and 64): the sizer chose 5-15-token trees as if they were cheap.
+DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 CONTEXT_BUCKETS = (256, 1024, 2048, 4096)
 # Part of the cache key: bump it whenever the verification kernels change cost, so that curves measured
 # with older kernels are measured again instead of steering tree sizes for ever.
-CURVE_VERSION = 6   # 3: the lean forward; 4: a load probe beside the latencies; 5: one-row kernels tuned;
-# 6: layer kernels chosen in passes over the whole model (a plain step got cheaper against a tree)
+CURVE_VERSION = 7   # 3: the lean forward; 4: a load probe beside the latencies; 5: one-row kernels tuned;
+# 6: layer kernels chosen in passes over the whole model (a plain step got cheaper against a tree);
+# 7: sizes between the powers of two (`DEFAULT_SIZES`)
 # A cached curve whose probe ran this much slower than the probe now was measured on a busy machine.
 STALE_PROBE_RATIO = 1.25
 # A curve read (and its probe checked) in this process is trusted for this long: a service builds a decoder
