@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,47 @@ def test_untried_depth_starts_from_the_shallower_depths_rate() -> None:
         est.update(long, [1, 2, 3])   # depth 4 tried and rejected every time
     assert est.rate(keys[4]) < 0.2
     assert est.rate(keys[3]) > 0.9
+
+
+@dataclass
+class FixedEstimate(AcceptanceEstimator):
+    """Every node's p̂ is `p`, whatever was learnt: the calibration alone is under test."""
+
+    p: float = 0.9
+
+    def path_probs(self, tree: DraftTree) -> list[float]:
+        return [1.0] + [self.p] * (len(tree) - 1)
+
+
+def bushy(n: int) -> DraftTree:
+    tree = DraftTree.root_only(0)
+    for token in range(1, n + 1):
+        tree.add(0, token, "s")
+    return tree
+
+
+def test_the_estimator_learns_how_each_place_of_its_ranking_fares() -> None:
+    """Nodes ranked 8th and later predicted at 0.9 and never accepted: their places' factor falls toward 0,
+    the first place (accepted every time) keeps at least its own; with no evidence every factor is 1."""
+    est = FixedEstimate()
+    assert [est.position_factor(k) for k in (1, 2, 8, 40)] == [1.0] * 4
+    for _ in range(30):
+        est.update(bushy(12), [1])
+    assert est.position_factor(1) >= 1.0
+    assert est.position_factor(8) < 0.15 and est.position_factor(12) < 0.15
+    assert est.calibrated([0.9, 0.9], start=7) == pytest.approx([0.9 * est.position_factor(8)] * 2)
+
+
+def test_a_sizer_stops_verifying_big_trees_that_never_paid() -> None:
+    """The sizer picks a big tree exactly when its estimates are high, so their errors pile up there: once the
+    places past the first have been seen to fail, the same estimates no longer buy a 13-token tree."""
+    curve = CostCurve(key="mild", context_len=256, sizes=[1, 8, 16, 33],
+                      latency_s=[0.05 * (1 + 0.05 * (s - 1)) for s in (1, 8, 16, 33)])
+    sizer = CostAwareSizer(lambda n: curve, estimator=FixedEstimate())
+    assert sizer.cut(bushy(12), 100).num_draft_tokens == 12
+    for _ in range(30):
+        sizer.observe(bushy(12), [1], overhead_s=0.0)
+    assert 1 <= sizer.cut(bushy(12), 100).num_draft_tokens < 8
 
 
 def test_thompson_samples_vary_around_the_mean() -> None:

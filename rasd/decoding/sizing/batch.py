@@ -102,7 +102,7 @@ def plan_row(tree: DraftTree, sizer: Sizer) -> RowPlan:
         return RowPlan(tree, [], [], list(range(1, len(tree))))
     probs = sizer.estimator.path_probs(tree)
     sampled, ranked = rank_nodes(tree, probs)
-    return RowPlan(tree, ranked, [probs[i] for i in ranked], sampled)
+    return RowPlan(tree, ranked, sizer.estimator.calibrated([probs[i] for i in ranked], start=len(sampled)), sampled)
 
 
 class BatchSizer:
