@@ -265,6 +265,25 @@ def test_a_sizer_stops_verifying_big_trees_that_never_paid() -> None:
     assert 1 <= sizer.cut(bushy(12), 100).num_draft_tokens < 8
 
 
+def test_a_nodes_rank_is_its_place_among_its_own_sources_siblings_by_score() -> None:
+    """A fused tree's draft children come first: the copied continuation beside them is still its source's
+    likeliest (rank 0), bucketed as it is in a tree of its own; within a source the higher score ranks first."""
+    from rasd.decoding.sizing.sizers import sibling_ranks
+
+    alone = DraftTree.root_only(0)
+    alone.add(0, 7, "context", 0.2)            # found first, one occurrence of five
+    alone.add(0, 8, "context", 0.8)            # four occurrences
+    fused = DraftTree.root_only(0)
+    for token in (1, 2, 3):
+        fused.add(0, token, "eagle", 0.5 - 0.1 * token)
+    fused.add(0, 7, "context", 0.2)
+    fused.add(0, 8, "context", 0.8)
+    assert sibling_ranks(alone) == [0, 1, 0]
+    assert sibling_ranks(fused) == [0, 0, 1, 2, 1, 0]
+    est = AcceptanceEstimator()
+    assert est.node_keys(fused)[4:] == est.node_keys(alone)[1:]
+
+
 def test_thompson_samples_vary_around_the_mean() -> None:
     est = AcceptanceEstimator(thompson=True, seed=3)
     key = est.node_keys(chain(1))[1]

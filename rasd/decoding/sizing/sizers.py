@@ -140,13 +140,7 @@ class AcceptanceEstimator:
 
     def node_keys(self, tree: DraftTree) -> list[Key | None]:
         """The bucket of every node (None for the root)."""
-        depths = tree.depths()
-        rank_of: dict[int, int] = {}
-        seen: dict[int, int] = {}
-        for i in range(1, len(tree)):
-            parent = tree.parents[i]
-            rank_of[i] = seen.get(parent, 0)
-            seen[parent] = rank_of[i] + 1
+        depths, rank_of = tree.depths(), sibling_ranks(tree)
         return [None] + [self.key(tree, i, depths[i], rank_of[i]) for i in range(1, len(tree))]
 
     def path_probs(self, tree: DraftTree) -> list[float]:
@@ -230,6 +224,26 @@ class AcceptanceEstimator:
             entry = self.calibration.setdefault(position_class(position), [0.0, 0.0])
             entry[0] += float(node in accepted)
             entry[1] += probs[node]
+
+
+def sibling_ranks(tree: DraftTree) -> list[int]:
+    """Every node's rank among its siblings from the same source, by the proposer's score (0 = its likeliest).
+
+    Why not the order in the tree: in a fused tree (`rasd`) the draft's nodes come first, so the request's own
+    text's likeliest continuation beside three EAGLE-head children was ranked 3 and rated like a source's
+    fourth guess; and `pld`'s trie keeps its continuations in the order they were found (the latest
+    occurrence first), not by how many occurrences agree. Ranked by score within the source, LongBench docqa
+    (10 rows twice, interleaved in one process) ran `pld` 53.5 → 56.7 tokens/s and `rasd` 52.9 → 56.7.
+    """
+    groups: dict[tuple[int, str], list[int]] = {}
+    for i in range(1, len(tree)):
+        groups.setdefault((tree.parents[i], tree.sources[i]), []).append(i)
+    rank = [0] * len(tree)
+    for members in groups.values():
+        if len(members) > 1:
+            for r, i in enumerate(sorted(members, key=lambda j: (-tree.scores[j], j))):
+                rank[i] = r
+    return rank
 
 
 def _share_parent(rate: list[float], kids: list[int]) -> None:
