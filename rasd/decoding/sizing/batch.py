@@ -102,7 +102,10 @@ def plan_row(tree: DraftTree, sizer: Sizer) -> RowPlan:
         return RowPlan(tree, [], [], list(range(1, len(tree))))
     probs = sizer.estimator.path_probs(tree)
     sampled, ranked = rank_nodes(tree, probs)
-    return RowPlan(tree, ranked, sizer.estimator.calibrated([probs[i] for i in ranked], start=len(sampled)), sampled)
+    # p̂ as estimated, not `AcceptanceEstimator.calibrated`: a batch has no exploration step, and with it the
+    # batched service stopped speculating for good (8 fresh concurrent requests: 1.02 accepted a step, 2.19x HF
+    # with prefill, against 2.33 and 3.46x without)
+    return RowPlan(tree, ranked, [probs[i] for i in ranked], sampled)
 
 
 class BatchSizer:
