@@ -78,6 +78,10 @@ class _NoCache:
 class EagleHead(nn.Module):
     """fc + one target-architecture decoder layer; reads the target's shared embedding / rotary / LM head."""
 
+    # Its products may run from half-precision weights where that measures faster (`kernels.HALF`): a head only
+    # proposes tokens, verification decides them. Its modules are its own (the target's are kept in `_shared`).
+    approximate_products = True
+
     def __init__(self, target: nn.Module, vocab: torch.Tensor | None = None, init_layer: int = -1,
                  taps: tuple[int, ...] = ()):
         """A new head (weights: `load_head`); its layer's attention and norms start as target layer `init_layer`.
@@ -152,7 +156,7 @@ class EagleHead(nn.Module):
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary [.., V'] from predicted features [.., H]."""
-        return kernels.product(predicted, self._rows)
+        return kernels.product(predicted, self._rows, approximate=self.approximate_products)
 
     def bare_weights(self) -> list[torch.Tensor]:
         """Weights multiplied outside an nn.Linear (`kernels.install` times their products too)."""

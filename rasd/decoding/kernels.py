@@ -21,6 +21,13 @@ A packed weight is refreshed when the weight changes. A transposed product comes
 copied to a row-major layout, because a query whose last dimension is strided sends
 `scaled_dot_product_attention` down its slow math path.
 
+A draft head's own products may also run from a half-precision copy of the weight (`HALF`, fp16 weights and
+inputs, fp32 out): an EAGLE head's output is only a proposal that verification accepts or not, so rounding
+there cannot change a generated token. On a memory-bound CPU a head forward is its bytes, read cold after the
+target's weights: on an AVX2 EPYC one row times the 8,192 x 576 draft LM head took 3.0 ms from the fp32 weight
+and 1.2 ms from fp16. Only models that say so (`approximate_products`, `install`) get it; the target and a
+self-draft sharing its layers never do.
+
 Tree steps also pass the grouped key/value heads to the attention kernel as they are (`enable_gqa`) instead
 of HF's `repeat_kv` copy of the whole cache. Only inside `fast_kernels()`: HF baselines sharing the module
 keep stock behaviour. The results are the same products and attention with another summation order
@@ -44,9 +51,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 _state = threading.local()
 _STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
-STOCK, TRANSPOSED, PACKED, PADDED = "stock", "transposed", "packed", "padded"
-_FORMS = (STOCK, TRANSPOSED, PACKED, PADDED)
-_CHOICES: dict[tuple[Any, ...], str] = {}   # (out, in, M bucket, dtype, threads, head) -> form
+STOCK, TRANSPOSED, PACKED, PADDED, HALF = "stock", "transposed", "packed", "padded", "half"
+_FORMS = (STOCK, TRANSPOSED, PACKED, PADDED, HALF)
+_HALF_DTYPE = torch.float16   # the shipped head is fp16: its weights lose nothing, only the activations round
+_CHOICES: dict[tuple[Any, ...], str] = {}   # (out, in, M bucket, dtype, threads, head, approximate) -> form
 _TUNE_ROUNDS = 5
 _MAX_TUNED_ROWS = 64   # trees; a prefill (hundreds of rows) is not skinny: stock, and no timing on the way
 _BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)   # row counts timed at `install`; others take the next one up
@@ -58,6 +66,8 @@ _EVICT: torch.Tensor | None = None
 # model that carried one could no longer be pickled (Ray) or deep-copied.
 _PACKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], torch.Tensor]] = \
     weakref.WeakKeyDictionary()
+# id(weight) -> (weak reference to it, (pointer, version), its half copy): the `HALF` form's weights
+_HALVES: dict[int, tuple[Any, tuple[int, int], torch.Tensor]] = {}
 
 
 def fast_enabled() -> bool:
@@ -76,11 +86,17 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
     rows = x.reshape(-1, x.shape[-1])   # [M, in]
     head = getattr(self, "_rasd_head", False)
-    form = _form(self.weight, rows.shape[0], head) if rows.shape[0] <= _MAX_TUNED_ROWS else STOCK
+    approximate = _approximate(self) and not torch.is_grad_enabled()   # never under training's gradients
+    form = (_form(self.weight, rows.shape[0], head, approximate=approximate) if rows.shape[0] <= _MAX_TUNED_ROWS
+            else STOCK)
     if form == STOCK:
         return F.linear(x, self.weight, self.bias)
     if form == PACKED:
         out = torch.ops.mkl._mkl_linear(rows, _packed_weight(self), self.weight, self.bias, rows.shape[0])
+    elif form == HALF:
+        out = _half(self.weight, rows)
+        if self.bias is not None:
+            out = out + self.bias
     else:
         out = _unpacked(form, self.weight, rows, head)
         if self.bias is not None:
@@ -96,24 +112,44 @@ def _unpacked_form(rows: int) -> str:
 
 
 def _unpacked(form: str, weight: torch.Tensor, rows: torch.Tensor, head: bool) -> torch.Tensor:
-    """The padded or transposed product of `rows` [M, in]: [M, out]."""
+    """The padded, transposed or half-precision product of `rows` [M, in]: [M, out]."""
+    if form == HALF:
+        return _half(weight, rows)
     return _padded(weight, rows, head) if form == PADDED else _transposed(weight, rows, head)
 
 
-def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _half(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` [M, in] times the weight's half-precision copy, in rows' dtype: [M, out]."""
+    return F.linear(rows.to(_HALF_DTYPE), _half_weight(weight)).to(rows.dtype)
+
+
+def _half_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight's half copy, made again whenever the weight was replaced or changed in place (training)."""
+    stamp = (weight.data_ptr(), weight._version)
+    cached = _HALVES.get(id(weight))
+    if cached is None or cached[0]() is not weight or cached[1] != stamp:
+        for key in [k for k, (ref, _, _) in _HALVES.items() if ref() is None]:
+            del _HALVES[key]          # weights that are gone
+        cached = (weakref.ref(weight), stamp, weight.detach().to(_HALF_DTYPE).contiguous())
+        _HALVES[id(weight)] = cached
+    return cached[2]
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, approximate: bool = False) -> torch.Tensor:
     """`F.linear(x, weight)` for a weight that no nn.Linear owns, with a head's read-only output (an EAGLE head's
     rows of the target's LM head), by the form measured fastest for its rows inside `fast_kernels()`.
 
     Why: that product is a third of a head forward's bytes, and `F.linear`'s one- and few-row kernels read a cold
     8192 x 576 weight at 1.2-2.3 ms where the padded or transposed form takes 0.5-0.7 ms (AVX2 EPYC). No packed
-    form: there is no module to keep a packed copy on.
+    form: there is no module to keep a packed copy on. `approximate`: the `HALF` form may be chosen (a draft's
+    product, whose result only proposes tokens).
     """
     if not fast_enabled() or x.device.type != "cpu":
         return F.linear(x, weight)
     rows = x.reshape(-1, x.shape[-1])   # [M, in]
     if rows.shape[0] > _MAX_TUNED_ROWS:
         return F.linear(x, weight)
-    form = _form(weight, rows.shape[0], True, bare=True)
+    form = _form(weight, rows.shape[0], True, bare=True, approximate=approximate)
     if form == STOCK:
         return F.linear(x, weight)
     out = _unpacked(form, weight, rows, True)
@@ -166,11 +202,12 @@ def _rows_bucket(rows: int) -> int:
     return rows if rows <= 3 else 1 << (rows - 1).bit_length()
 
 
-def _form(weight: torch.Tensor, rows: int, head: bool, bare: bool = False) -> str:
+def _form(weight: torch.Tensor, rows: int, head: bool, bare: bool = False, approximate: bool = False) -> str:
     """The fastest form for this weight shape and row count (measured once per process and key). `bare`: a
     weight without a module (`product`): timed with the cache emptied before every product, as decoding reads
-    it after the target's weights, and never packed (no module to keep the packed copy on)."""
-    key = _key(weight, rows, "bare" if bare else head)
+    it after the target's weights, and never packed (no module to keep the packed copy on). `approximate`: a
+    draft head's weight, which may take the `HALF` form (timed cold too: decoding reads it after the target's)."""
+    key = _key(weight, rows, "bare" if bare else head, approximate)
     choice = _CHOICES.get(key)
     if choice is None:   # the environment is read here, once per key, not on every product
         forced = os.environ.get("RASD_LINEAR", "auto")
@@ -178,7 +215,11 @@ def _form(weight: torch.Tensor, rows: int, head: bool, bare: bool = False) -> st
             forced = STOCK
         if forced == PADDED:   # padding is a one- and three-row form
             forced = _unpacked_form(key[2])
-        choice = forced if forced in _FORMS else _time_forms(weight, key[2], head, cold=bare)
+        if forced == HALF and not approximate:   # never the target's products
+            forced = STOCK
+        choice = (forced if forced in _FORMS
+                  else _time_forms(weight, key[2], head, cold=bare or approximate, approximate=approximate,
+                                   packable=not bare))
         _CHOICES[key] = choice
     return choice
 
@@ -188,15 +229,19 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 @torch.inference_mode()
-def _time_forms(weight: torch.Tensor, rows: int, head: bool, cold: bool = False) -> str:
+def _time_forms(weight: torch.Tensor, rows: int, head: bool, cold: bool = False, approximate: bool = False,
+                packable: bool = True) -> str:
     """Best of a few interleaved timings of each form; another form must beat `F.linear` by 10% to be used.
-    `cold`: empty the cache before every product, and leave the packed form out (a bare weight, `product`)."""
+    `cold`: empty the cache before every product. `packable`: time the packed form (not for a bare weight,
+    `product`). `approximate`: time the `HALF` form too."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
     unpacked = _unpacked_form(rows)
     forms: dict[str, Any] = {STOCK: lambda: F.linear(x, weight), unpacked: lambda: _unpacked(unpacked, weight, x, head)}
-    if _can_pack(weight) and not cold:
+    if _can_pack(weight) and packable:
         packed = _pack(weight)
         forms[PACKED] = lambda: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
+    if approximate and weight.device.type == "cpu":
+        forms[HALF] = lambda: _half(weight, x)
     best = dict.fromkeys(forms, float("inf"))
     for _ in range(_TUNE_ROUNDS):
         for name, run in forms.items():
@@ -210,8 +255,9 @@ def _time_forms(weight: torch.Tensor, rows: int, head: bool, cold: bool = False)
 
 
 def linear_choices() -> dict[str, str]:
-    """What was measured so far, readable: "out x in @ M" -> "stock" | "transposed" | "packed" | "padded"."""
-    return {f"{k[0]}x{k[1]}@{k[2]}{' head' if k[5] else ''}": v
+    """What was measured so far, readable: "out x in @ M" (" head", " approximate") -> "stock" | "transposed" |
+    "packed" | "padded" | "half"."""
+    return {f"{k[0]}x{k[1]}@{k[2]}{' head' if k[5] else ''}{' approximate' if k[6] else ''}": v
             for k, v in sorted(_CHOICES.items(), key=lambda kv: kv[0][:3])}
 
 
@@ -232,13 +278,18 @@ def _tree_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def install(model: torch.nn.Module) -> torch.nn.Module:
-    """Give every nn.Linear of `model` the switchable forward and route sdpa through `_tree_sdpa` (idempotent)."""
+    """Give every nn.Linear of `model` the switchable forward and route sdpa through `_tree_sdpa` (idempotent).
+
+    A model whose `approximate_products` is true (a draft head with only its own modules: `EagleHead`) may have
+    its products run from half-precision weights (`HALF`); the target's and a self-draft's never."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    approximate = bool(getattr(model, "approximate_products", False))
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and not getattr(module, "_rasd_fast", False):
             module.forward = types.MethodType(_linear_forward, module)
             module._rasd_fast = True
             module._rasd_head = module is head
+            module._rasd_approximate = approximate
     ALL_ATTENTION_FUNCTIONS["sdpa"] = _tree_sdpa
     _tune(model, head)
     return model
@@ -258,23 +309,28 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
                and getattr(m, "weight", None) is not None and m.weight.device.type == "cpu"]
     body = [m for m in linears if m is not head]
+    approximate = bool(getattr(model, "approximate_products", False))
     if os.environ.get("RASD_LINEAR", "auto") == "auto" and len(body) > 1:
         for rows in _BUCKETS:
             _sweep(body, rows)
     for weight in getattr(model, "bare_weights", list)():   # products without a module (`product`)
         for rows in _BUCKETS:
-            _form(weight, rows, True, bare=True)
+            _form(weight, rows, True, bare=True, approximate=approximate)
     for module in linears:
-        forms = {_form(module.weight, rows, module is head) for rows in _BUCKETS}
+        forms = {_form(module.weight, rows, module is head, approximate=_approximate(module)) for rows in _BUCKETS}
         if PACKED not in forms:
             _PACKS.pop(module, None)   # packed only to be timed
         else:
             _packed_weight(module)
 
 
-def _key(weight: torch.Tensor, rows: int, head: bool | str) -> tuple[Any, ...]:
-    """`_CHOICES`' key: (out, in, M bucket, dtype, threads, head flag or "bare")."""
-    return (*weight.shape, _rows_bucket(rows), weight.dtype, torch.get_num_threads(), head)
+def _key(weight: torch.Tensor, rows: int, head: bool | str, approximate: bool = False) -> tuple[Any, ...]:
+    """`_CHOICES`' key: (out, in, M bucket, dtype, threads, head flag or "bare", approximate)."""
+    return (*weight.shape, _rows_bucket(rows), weight.dtype, torch.get_num_threads(), head, approximate)
+
+
+def _approximate(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, "_rasd_approximate", False))
 
 
 @torch.inference_mode()
@@ -287,9 +343,10 @@ def _sweep(modules: list[torch.nn.Linear], rows: int) -> None:
     matrix-vector kernel is slow on a cold weight: a plain step took 32 ms, against 21.5 ms with the row
     padded to two (and 22 ms for a two-token tree). A pass over the model in its order is what decoding does.
     """
-    todo = [m for m in modules if _key(m.weight, rows, False) not in _CHOICES]
+    todo = [m for m in modules if _key(m.weight, rows, False, _approximate(m)) not in _CHOICES]
     if not todo:
         return
+    approximate = all(_approximate(m) for m in todo)   # a draft head's own modules (`install`)
     inputs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], dtype=m.weight.dtype) for m in todo}
     unpacked = _unpacked_form(rows)
     forms: dict[str, Any] = {STOCK: lambda m, x: F.linear(x, m.weight),
@@ -298,20 +355,28 @@ def _sweep(modules: list[torch.nn.Linear], rows: int) -> None:
         forms[PACKED] = lambda m, x: torch.ops.mkl._mkl_linear(x, _packed_weight(m), m.weight, None, rows)
         for m in todo:
             _packed_weight(m)
+    if approximate:
+        forms[HALF] = lambda m, x: _half(m.weight, x)
     one_of = {(int(m.weight.shape[0]), int(m.weight.shape[1])): m.weight for m in todo}
-    for shape, times in pass_times(todo, inputs, forms).items():
+    # a head's few MB would stay cached between passes, where decoding reads them after the target's weights
+    for shape, times in pass_times(todo, inputs, forms, before_pass=_evict if approximate else None).items():
         fastest = min(times, key=times.__getitem__)
-        _CHOICES[_key(one_of[shape], rows, False)] = fastest if times[fastest] < 0.9 * times[STOCK] else STOCK
+        _CHOICES[_key(one_of[shape], rows, False, approximate)] = (fastest if times[fastest] < 0.9 * times[STOCK]
+                                                                   else STOCK)
 
 
 def pass_times(modules: list[torch.nn.Linear], inputs: dict[int, torch.Tensor], forms: dict[str, Any],
-               rounds: int = 3, clock: Any = time.perf_counter) -> dict[tuple[int, int], dict[str, float]]:
+               rounds: int = 3, clock: Any = time.perf_counter, before_pass: Any = None,
+               ) -> dict[tuple[int, int], dict[str, float]]:
     """Per weight shape and form, the least (over `rounds` passes) summed time of that form's products over all
-    `modules` of the shape, each pass running one form over every module in model order."""
+    `modules` of the shape, each pass running one form over every module in model order (`before_pass()` first,
+    when given)."""
     best: dict[tuple[int, int], dict[str, float]] = {}
     order = list(forms)
     for r in range(rounds):
         for name in order[r % len(order):] + order[: r % len(order)]:   # rotate: no form always goes first
+            if before_pass is not None:
+                before_pass()
             sums: dict[tuple[int, int], float] = {}
             for module in modules:
                 shape = (int(module.weight.shape[0]), int(module.weight.shape[1]))

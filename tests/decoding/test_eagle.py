@@ -388,3 +388,28 @@ def test_a_head_reading_tapped_layers_starts_as_the_plain_head_and_trains() -> N
     with torch.no_grad():
         target(seqs[:1])
     assert not taps.last, "a removed tap keeps nothing"
+
+
+def test_the_first_forward_is_charged_what_a_whole_draft_step_costs() -> None:
+    """`root_pays` is asked with `root_s` (a drafting `propose`'s time less its later layers), not with one layer's
+    forward: an EAGLE-head try cost 12 ms where a forward was timed at 5, and the head tried at 7% acceptance.
+    `root_s` covers at least the root's own forward, and only tries whose catch-up was short are sampled."""
+    target = tiny_llama(0)
+    proposer = make_proposer("eagle", head=random_head(target, 1), min_prob=0.0)
+    charged: list[float] = []
+
+    def root_pays(root: int, source: str, context_len: int, forward_s: float, beside: Any = None) -> bool:
+        charged.append(forward_s)
+        return True
+
+    proposer.root_pays = root_pays
+    decoder = SpeculativeDecoder(target, proposer, sizer=FixedSizer(8))
+    decoder.generate(random_prompt(12, 3), max_new_tokens=24)
+    assert proposer.root_s is not None and proposer.forward_s is not None
+    assert charged
+    assert proposer.root_s >= 0.5 * proposer.forward_s   # the root's forward and its logits are in it
+    proposer.root_s = 123.0
+    proposer.start(random_prompt(12, 4), SamplingParams())
+    proposer.observe_hidden(0, torch.zeros(12, target.config.hidden_size))
+    proposer.propose(random_prompt(12, 4) + [5], 8)
+    assert charged[-1] == 123.0

@@ -340,3 +340,61 @@ def test_a_weight_no_linear_owns_is_tuned_at_install_and_gives_f_linears_product
         with torch.inference_mode(), fast_kernels():
             out = kernels.product(x, model.rows)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, model.rows))
+
+
+def test_half_precision_products_serve_only_a_model_that_allows_them(monkeypatch) -> None:
+    """`HALF` (a draft head's products from fp16 weights): forced, it serves a model whose `approximate_products`
+    is true, to fp16 rounding, and follows its weight's updates; the target's modules never take it, even forced;
+    and outside inference (training) the approximate model's products keep their gradients."""
+    from rasd.decoding import kernels
+
+    class Head(torch.nn.Module):
+        approximate_products = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(24, 45)
+            self.rows = torch.randn(46, 24)
+
+        def bare_weights(self) -> list[torch.Tensor]:
+            return [self.rows]
+
+    monkeypatch.setenv("RASD_LINEAR", "half")
+    head = install(Head())
+    target = install(torch.nn.Sequential(torch.nn.Linear(24, 47)))[0]
+    x = torch.randn(1, 3, 24)
+    with torch.inference_mode(), fast_kernels():
+        out, rows_out, exact = head.proj(x), kernels.product(x, head.rows, approximate=True), target(x)
+    half = torch.nn.functional.linear(x.half(), head.proj.weight.half()).float() + head.proj.bias
+    torch.testing.assert_close(out, half)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, head.proj.weight, head.proj.bias),
+                               atol=2e-2, rtol=2e-2)
+    assert not torch.equal(out, torch.nn.functional.linear(x, head.proj.weight, head.proj.bias))
+    torch.testing.assert_close(rows_out, torch.nn.functional.linear(x.half(), head.rows.half()).float())
+    assert torch.equal(exact, torch.nn.functional.linear(x, target.weight, target.bias))
+    choices = kernels.linear_choices()
+    assert choices["45x24@3 approximate"] == "half" and choices["46x24@3 head approximate"] == "half"
+    assert choices["47x24@3"] == "stock"
+    with torch.no_grad():
+        head.proj.weight.mul_(-1.0)                        # in place: the half copy must follow
+    with torch.inference_mode(), fast_kernels():
+        flipped = head.proj(x)
+    torch.testing.assert_close(flipped, torch.nn.functional.linear(x.half(), head.proj.weight.half()).float()
+                               + head.proj.bias)
+    with fast_kernels():
+        loss = head.proj(x).sum()
+    loss.backward()
+    assert head.proj.weight.grad is not None and head.proj.weight.grad.abs().sum() > 0
+
+
+def test_an_eagle_head_allows_half_products_and_its_target_does_not() -> None:
+    """The flag sits on the head alone: its modules are its own, the target's layers (a self-draft's too) stay
+    exact."""
+    from rasd.decoding.eagle import EagleHead
+    from tests.helpers import tiny_llama
+
+    target = tiny_llama(0)
+    head = install(EagleHead(target))
+    assert all(m._rasd_approximate for m in head.modules() if isinstance(m, torch.nn.Linear))
+    install(target)
+    assert not any(getattr(m, "_rasd_approximate", False) for m in target.modules())

@@ -67,6 +67,13 @@ class DraftModelProposer:
         # can drop them (see `rasd.decoding.sizing.gate`).
         self.gate = gate
         self.forward_s: float | None = None   # EMA of one frontier draft forward (seconds)
+        # EMA of what a step's first draft forward really costs when the draft is caught up: the whole `propose`
+        # less its later layers' forwards (the catch-up, the root's logits, top-k, building the tree). Why apart
+        # from `forward_s`: an EAGLE-head try cost 12 ms where one forward was timed at 5 (Spec-Bench
+        # translation, AVX2 EPYC), so `root_pays` let the head try at 7% acceptance and `eagle` ran 0.98x `ar`.
+        self.root_s: float | None = None
+        self._try: tuple[float, float] | None = None   # (start, seconds of later layers) of the propose running
+        self._caught_up = 0                            # tokens the last `_sync` ran
         # With cost sizing (`use_sizer`): whether one more draft layer can pay for its forward
         # (`CostAwareSizer.grow_pays`); None: grow while candidates clear the probability floor.
         self.grow_pays: Callable[[DraftTree, list[int], int, float], bool] | None = None
@@ -119,15 +126,33 @@ class DraftModelProposer:
         """The sizer's verdict on this step's first draft forward (yes before a forward was timed)."""
         if self.root_pays is None or self.forward_s is None:
             return True
-        return self.root_pays(context[-1], self.source, len(context), self.forward_s, beside)
+        first = self.root_s if self.root_s is not None else self.forward_s
+        return self.root_pays(context[-1], self.source, len(context), first, beside)
+
+    def _begin_try(self) -> None:
+        """A drafting `propose` starts (the gate let it through): its time is `root_s`' sample at `_end_try`."""
+        self._try = (time.perf_counter(), 0.0)
+
+    def _end_try(self) -> None:
+        """Fold this propose's time, less its later layers, into `root_s` (only when the catch-up was short:
+        after an idle stretch it runs over every token since, a cost of the idling, not of a draft step)."""
+        if self._try is None:
+            return
+        start, later = self._try
+        self._try = None
+        if self._caught_up <= 4:
+            elapsed = time.perf_counter() - start - later
+            self.root_s = elapsed if self.root_s is None else 0.8 * self.root_s + 0.2 * elapsed
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_nodes: int) -> DraftTree:
         tree = DraftTree.root_only(context[-1])
         if max_nodes <= 0 or not self.gate_open(context):
             return tree
+        self._begin_try()
         logits = self._sync(context)   # [vocab] at the root; None: nothing to draft from yet
         if logits is None:
+            self._try = None
             return tree
         if self.shape == "optree":
             cap = self.node_cap(len(context)) if self.node_cap is not None else max_nodes
@@ -137,6 +162,7 @@ class DraftModelProposer:
         else:
             self._sample_chain(tree, logits, len(context), max_nodes)
         self.cache.crop(-(self.cache.get_seq_length() - len(self.cached)))
+        self._end_try()
         return tree
 
     def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
@@ -174,20 +200,24 @@ class DraftModelProposer:
         logits = fast_forward.forward(self.model, self.cache, ids, pos, last_only=True)   # [1, 1, vocab]
         self.cached = list(seen)
         self.root_logits = logits[0, -1].float()
+        self._caught_up = len(new)
         if len(new) <= 4:   # a catch-up of a few tokens costs about one draft step: a sample for δ
-            self._time_forward(t0)
+            self._time_forward(t0, later=False)
         return self.root_logits
 
     def _holds(self, context: list[int]) -> bool:
         """Whether the draft cache holds exactly this context (from `offset` on)."""
         return len(self.cached) == len(context) - self.offset and self.cached == context[self.offset:]
 
-    def _time_forward(self, t0: float) -> None:
-        """Fold one draft forward's wall time (since t0) into the EMA behind δ."""
+    def _time_forward(self, t0: float, later: bool = True) -> None:
+        """Fold one draft forward's wall time (since t0) into the EMA behind δ; `later`: a layer after the
+        root's (not part of `root_s`)."""
         if self.device.type == "cuda":   # time the forward, not its launch
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
         self.forward_s = elapsed if self.forward_s is None else 0.8 * self.forward_s + 0.2 * elapsed
+        if later and self._try is not None:
+            self._try = (self._try[0], self._try[1] + elapsed)
 
     def _node_inputs(self, tree: DraftTree, first: int, context_len: int
                      ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -103,9 +103,10 @@ class EagleProposer(DraftModelProposer):
         predicted = self.head(feats, ids, pos, kv=self.cache)                                   # [1, n, H]
         self.cached = list(seen)
         self.node_feats = {0: predicted[0, -1]}
-        self.root_logits = self.head.full_logits(predicted[0, -1]).float()
+        self.root_logits = self.head.full_logits(predicted[0, -1]).float()   # a draft forward includes its logits
+        self._caught_up = ids.shape[1]
         if ids.shape[1] <= 4:
-            self._time_forward(t0)
+            self._time_forward(t0, later=False)
         return self.root_logits
 
     def _forward_nodes(self, tree: DraftTree, first: int, context_len: int) -> torch.Tensor:
@@ -114,7 +115,8 @@ class EagleProposer(DraftModelProposer):
         feats = torch.stack([self.node_feats[tree.parents[i]] for i in nodes])[None]            # [1, n, H]
         t0 = time.perf_counter()
         predicted = self.head(feats, ids, pos, kv=self.cache, mask=mask)[0]
-        self._time_forward(t0)
         for i, node in enumerate(nodes):
             self.node_feats[node] = predicted[i]
-        return self.head.full_logits(predicted).float()
+        logits = self.head.full_logits(predicted).float()   # [n, vocab]: part of the layer's cost (δ, grow_pays)
+        self._time_forward(t0)
+        return logits

@@ -217,6 +217,7 @@ class LengthControlledProposer(DraftModelProposer):
         tree = DraftTree.root_only(context[-1])
         if limit <= 0 or not self.gate_open(context):
             return tree
+        self._begin_try()
         logits = self._sync(context)                         # [vocab] at the root
         node, cum = 0, 0.0
         leaves: list[tuple[int, int, float]] = []   # (parent, token, p̂), added after the chain's forwards
@@ -243,6 +244,7 @@ class LengthControlledProposer(DraftModelProposer):
             if score > 0.0:
                 tree.add(parent, tok, self.source, score)
         self.cache.crop(-(self.cache.get_seq_length() - len(self.cached)))
+        self._end_try()
         return tree
 
     def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
