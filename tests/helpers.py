@@ -44,7 +44,8 @@ def tiny_llama(seed: int, vocab: int = TINY_VOCAB, init: float = 0.02, max_posit
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128, max_position_embeddings=max_positions,
                          initializer_range=init, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(config).eval()
+    with torch.inference_mode(False):   # first built inside a test's inference block, its weights could never
+        return LlamaForCausalLM(config).eval()   # take part in a later test's autograd (training tests)
 
 
 def fresh_tiny_llama(seed: int, **options: object) -> torch.nn.Module:

@@ -285,11 +285,14 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     approximate = bool(getattr(model, "approximate_products", False))
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and not getattr(module, "_rasd_fast", False):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if not getattr(module, "_rasd_fast", False):
             module.forward = types.MethodType(_linear_forward, module)
             module._rasd_fast = True
             module._rasd_head = module is head
-            module._rasd_approximate = approximate
+        # set even on a module already patched: a head's layer is a deep copy of an installed target layer
+        module._rasd_approximate = approximate
     ALL_ATTENTION_FUNCTIONS["sdpa"] = _tree_sdpa
     _tune(model, head)
     return model

@@ -389,11 +389,12 @@ def test_half_precision_products_serve_only_a_model_that_allows_them(monkeypatch
 
 def test_an_eagle_head_allows_half_products_and_its_target_does_not() -> None:
     """The flag sits on the head alone: its modules are its own, the target's layers (a self-draft's too) stay
-    exact."""
+    exact. The target is installed first, as the engine and the service do: the head's layer is then a deep copy
+    of an installed layer, and must still get the flag."""
     from rasd.decoding.eagle import EagleHead
-    from tests.helpers import tiny_llama
+    from tests.helpers import fresh_tiny_llama
 
-    target = tiny_llama(0)
+    target = install(fresh_tiny_llama(0))
     head = install(EagleHead(target))
     assert all(m._rasd_approximate for m in head.modules() if isinstance(m, torch.nn.Linear))
     install(target)
