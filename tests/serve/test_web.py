@@ -89,8 +89,36 @@ def test_page_loads_and_keeps_the_api_key(page: Any, service: dict[str, Any]) ->
     page.wait_for_function("document.getElementById('info').textContent.includes('documents')")
 
 
+def test_a_late_401_from_before_the_key_was_set_is_not_shown(browser: Any, service: dict[str, Any]) -> None:
+    """The first load asks /v1/info without a key; if that 401 comes back after the key is set, it is stale."""
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(STEP_MS)
+    held: list[Any] = []
+
+    def hold_keyless(route: Any) -> None:
+        if "authorization" in route.request.headers:
+            route.continue_()
+        else:
+            held.append(route)           # answered below, after the request with the key
+
+    page.route("**/v1/info", hold_keyless)
+    page.goto(service["url"] + "/")
+    page.wait_for_function("document.getElementById('api-key') !== null")
+    set_key(page, KEY)
+    page.wait_for_function("document.getElementById('info').textContent.includes('documents')")
+    assert held, "the page did not ask for /v1/info before it had a key"
+    for route in held:
+        route.continue_()
+    page.wait_for_timeout(1_000)
+    assert page.is_hidden("#error"), page.inner_text("#error")
+    assert "documents" in page.inner_text("#info")
+    context.close()
+
+
 def test_streamed_answer_coloured_by_source_matches_the_api_stats(page: Any, tmp_path: Path) -> None:
     set_key(page, KEY)
+    page.wait_for_function("document.getElementById('info').textContent.includes('documents')")
     page.fill("#question", LONG_QUESTION)
     page.fill("#max-tokens", "160")
     page.fill("#top-k", "2")

@@ -88,9 +88,14 @@ function showError(err) {
 function clearError() { $("error").hidden = true; $("error").textContent = ""; }
 
 // ------------------------------------------------------------------ service info
+// Each call supersedes the ones before it: an answer to a request sent with an older key (the page's first
+// load, before a key was typed) may arrive late and must not show its 401 over a newer, working state.
+let infoCalls = 0;
 async function loadInfo() {
+  const call = ++infoCalls;
   try {
     const info = await getJSON("/v1/info");
+    if (call !== infoCalls) return null;
     const index = info.index ? `${info.index.num_documents} documents, ${info.index.num_chunks} chunks` : "no index";
     $("info").textContent = `${info.model} · ${index}`;
     const select = $("method");
@@ -99,6 +104,7 @@ async function loadInfo() {
     }
     return info;
   } catch (err) {
+    if (call !== infoCalls) return null;
     $("info").textContent = "";
     showError(err);
     return null;
