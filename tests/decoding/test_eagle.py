@@ -449,31 +449,3 @@ def test_a_catch_up_after_a_long_past_attends_as_one_token_does() -> None:
             torch.nn.functional.scaled_dot_product_attention = original
     torch.testing.assert_close(batch, single, atol=1e-5, rtol=1e-5)
     assert calls == [3, 3]   # three query rows each time, never past + 3
-
-
-def test_greedy_children_from_the_draft_vocabulary_are_the_whole_vocabularys_top_k() -> None:
-    """Greedy layers take top-k over the head's draft vocabulary and map the ids back (spreading 8 rows over
-    49,152 ids first cost about one head layer): the same trees as top-k over the whole vocabulary, and the
-    same output as HF."""
-    from rasd.decoding.proposers.draft import DraftModelProposer
-
-    target = tiny_llama(0)
-    head = random_head(target, 2)
-    head.set_vocab(torch.arange(1, 96, 2))                       # 48 of the 96 ids, never 0
-    prompt = random_prompt(12, 5)
-    feats = torch.randn(len(prompt), target.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    trees = []
-    for whole in (False, True):
-        proposer = make_proposer("eagle", head=head, min_prob=0.0, top_k=4, width=4)
-        if whole:
-            proposer._top_children = lambda *a, p=proposer: DraftModelProposer._top_children(p, *a)
-        proposer.start(prompt, SamplingParams())
-        proposer.observe_hidden(0, feats)
-        trees.append(proposer.propose(prompt + [7], 16))
-    mine, whole = trees
-    assert mine.num_draft_tokens > 4 and max(mine.depths()) >= 2
-    assert mine.tokens == whole.tokens and mine.parents == whole.parents
-    assert all(t % 2 == 1 for t in mine.tokens[1:]), "a token outside the draft vocabulary"
-    torch.testing.assert_close(torch.tensor(mine.scores), torch.tensor(whole.scores))
-    out = eagle_decoder(target, head).generate(prompt, max_new_tokens=24)
-    assert_greedy_equal(target, prompt, out.token_ids, hf_greedy(target, prompt, 24), "eagle, draft vocabulary")

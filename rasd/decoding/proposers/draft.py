@@ -272,10 +272,11 @@ class DraftModelProposer:
 
     def _expand_tree(self, tree: DraftTree, root_logits: torch.Tensor, context_len: int, max_nodes: int) -> None:
         """Greedy drafting: top-k children per frontier node, keep the global top `width` by p̂."""
-        frontier = [0]
-        top_p, top_t = self._top_k(root_logits[None])                  # [1, k]
+        frontier, frontier_logits = [0], root_logits[None]
         floor = self.current_delta(context_len) if self.min_prob is None else self.min_prob
         for depth in range(self.max_depth):
+            probs = frontier_logits.softmax(-1)                       # [F, vocab]
+            top_p, top_t = probs.topk(self.top_k, dim=-1)             # [F, k]
             cands = [(tree.scores[f] * float(top_p[j, c]), f, int(top_t[j, c]))
                      for j, f in enumerate(frontier) for c in range(self.top_k)]
             cands.sort(key=lambda c: -c[0])
@@ -291,15 +292,7 @@ class DraftModelProposer:
                 return   # (the old frontier's logits must never meet the new frontier)
             if not self._grow(tree, frontier, context_len):
                 return
-            top_p, top_t = self._top_children(tree, first, context_len)   # [F, k]
-
-    def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy expansion's children of each row of logits [F, V]: probabilities and token ids [F, k]."""
-        return logits.softmax(-1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
-
-    def _top_children(self, tree: DraftTree, first: int, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft layer over tree nodes first.. and each one's top-k children [F, k] (probabilities, ids)."""
-        return self._top_k(self._forward_nodes(tree, first, context_len))
+            frontier_logits = self._forward_nodes(tree, first, context_len)
 
     def _grow(self, tree: DraftTree, frontier: list[int], context_len: int) -> bool:
         """Whether to run the next draft layer: always without a sizer's verdict or before a forward was timed."""

@@ -109,24 +109,14 @@ class EagleProposer(DraftModelProposer):
             self._time_forward(t0, later=False)
         return self.root_logits
 
-    def _forward_nodes(self, tree: DraftTree, first: int, context_len: int, full: bool = True) -> torch.Tensor:
-        """Head logits for tree nodes first.. (their parents' predicted features as input): [n, vocab], or
-        [n, V'] over the draft vocabulary when not `full`."""
+    def _forward_nodes(self, tree: DraftTree, first: int, context_len: int) -> torch.Tensor:
+        """Head logits [n, vocab] for tree nodes first.. (their parents' predicted features as input)."""
         nodes, ids, pos, mask = self._node_inputs(tree, first, context_len)
         feats = torch.stack([self.node_feats[tree.parents[i]] for i in nodes])[None]            # [1, n, H]
         t0 = time.perf_counter()
         predicted = self.head(feats, ids, pos, kv=self.cache, mask=mask)[0]
         for i, node in enumerate(nodes):
             self.node_feats[node] = predicted[i]
-        # the logits are part of the layer's cost (δ, grow_pays)
-        logits = (self.head.full_logits(predicted) if full else self.head.logits(predicted)).float()
+        logits = self.head.full_logits(predicted).float()   # [n, vocab]: part of the layer's cost (δ, grow_pays)
         self._time_forward(t0)
         return logits
-
-    def _top_children(self, tree: DraftTree, first: int, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy children from the draft vocabulary's logits [F, V'], mapped back to target ids. Why not the
-        whole vocabulary: spreading 8 rows over 49,152 ids for softmax and top-k cost 4.4 ms against 0.17
-        (one core, AVX2 EPYC), about one head layer's time. The same top-k (the other ids are -inf)."""
-        top_p, top_i = self._top_k(self._forward_nodes(tree, first, context_len, full=False))
-        vocab = self.head.vocab
-        return top_p, (top_i if vocab is None else vocab.to(top_i.device)[top_i])
