@@ -63,6 +63,11 @@ def set_key(page: Any, key: str) -> None:
     page.dispatch_event("#api-key", "change")
 
 
+def wait_for_info(page: Any) -> None:
+    """Until the page shows the service's info (a request with a working key has answered)."""
+    page.wait_for_function("document.getElementById('info').textContent.includes('documents')")
+
+
 def error_text(page: Any) -> str:
     page.wait_for_selector("#error:not([hidden])", timeout=STEP_MS)
     return page.inner_text("#error")
@@ -81,12 +86,12 @@ def test_page_loads_and_keeps_the_api_key(page: Any, service: dict[str, Any]) ->
     # no key yet: the service's 401 is shown
     assert "401" in error_text(page) and "API key" in page.inner_text("#error")
     set_key(page, KEY)
-    page.wait_for_function("document.getElementById('info').textContent.includes('documents')")
+    wait_for_info(page)
     assert page.is_hidden("#error")
     assert "rasd" in page.eval_on_selector("#method", "s => [...s.options].map(o => o.value).join(' ')")
     page.reload()
     assert page.input_value("#api-key") == KEY                                       # kept in localStorage
-    page.wait_for_function("document.getElementById('info').textContent.includes('documents')")
+    wait_for_info(page)
 
 
 def test_a_late_401_from_before_the_key_was_set_is_not_shown(browser: Any, service: dict[str, Any]) -> None:
@@ -106,7 +111,7 @@ def test_a_late_401_from_before_the_key_was_set_is_not_shown(browser: Any, servi
     page.goto(service["url"] + "/")
     page.wait_for_function("document.getElementById('api-key') !== null")
     set_key(page, KEY)
-    page.wait_for_function("document.getElementById('info').textContent.includes('documents')")
+    wait_for_info(page)
     assert held, "the page did not ask for /v1/info before it had a key"
     for route in held:
         route.continue_()
@@ -118,7 +123,7 @@ def test_a_late_401_from_before_the_key_was_set_is_not_shown(browser: Any, servi
 
 def test_streamed_answer_coloured_by_source_matches_the_api_stats(page: Any, tmp_path: Path) -> None:
     set_key(page, KEY)
-    page.wait_for_function("document.getElementById('info').textContent.includes('documents')")
+    wait_for_info(page)
     page.fill("#question", LONG_QUESTION)
     page.fill("#max-tokens", "160")
     page.fill("#top-k", "2")
@@ -181,7 +186,7 @@ def test_streamed_answer_coloured_by_source_matches_the_api_stats(page: Any, tmp
 
 def test_server_errors_are_shown(page: Any) -> None:
     set_key(page, KEY)
-    page.wait_for_function("document.getElementById('info').textContent.includes('documents')")
+    wait_for_info(page)
     page.fill("#question", "   ")
     page.click("#ask")
     message = error_text(page)
