@@ -47,6 +47,11 @@ def recycling_path(model_name: str) -> Path:
     return rasd_home() / "recycling" / f"{slug(model_name)}.npz"
 
 
+def kernel_choices_path(machine: str) -> Path:
+    """The skinny-product forms measured on one machine (`decoding.kernels`): `$RASD_HOME/kernels/<machine>.json`."""
+    return rasd_home() / "kernels" / f"{slug(machine)}.json"
+
+
 def cost_dir() -> Path:
     """Measured cost curves, one JSON per (model, device, dtype, threads, context bucket)."""
     return rasd_home() / "cost"

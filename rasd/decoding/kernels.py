@@ -11,10 +11,11 @@ that dominates these products at 4 <= M <= 16: on the AVX-512 machine the 576 ->
 takes 53 us instead of 84, the LM head 4.3 ms instead of 7.8. Its rows do not depend on M (a row's result is
 the same alone or among 63 others). So the choice is measured, not assumed: when `install` patches a model,
 every form is timed for each weight shape and M bucket (1, 2, 3, 4, 8, ..., 64), the layers' weights in passes over
-the whole model as a decoding step reads them (`_sweep`), and the fastest is kept for the process (a shape
-first met later is timed then; `linear_choices()` shows them; `RASD_LINEAR=stock|transposed|packed|padded`
-forces one). One row (a plain step) is tuned too: there some
-BLAS builds take a slow matrix-vector path, and the row padded to two or MKL's packed product is faster.
+the whole model as a decoding step reads them (`_sweep`), and the fastest is kept for the machine
+(`$RASD_HOME/kernels/<machine>.json`, read by the next process that loads a model; a shape first met later is
+timed then; `linear_choices()` shows them; `RASD_LINEAR=stock|transposed|packed|padded` forces one).
+One row (a plain step) is tuned too: there some BLAS builds take a slow matrix-vector path, and the row
+padded to two or MKL's packed product is faster.
 Three rows (a root and two draft nodes) get their own bucket for the same reason: on an AVX2 EPYC a 3-token
 verification took 28.9 ms against 24.8 ms for 4 tokens, and three rows padded to four cost what four do.
 A packed weight is refreshed when the weight changes. A transposed product comes out column-major; it is
@@ -36,7 +37,10 @@ keep stock behaviour. The results are the same products and attention with anoth
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 import threading
 import time
 import types
@@ -55,6 +59,10 @@ STOCK, TRANSPOSED, PACKED, PADDED, HALF = "stock", "transposed", "packed", "padd
 _FORMS = (STOCK, TRANSPOSED, PACKED, PADDED, HALF)
 _HALF_DTYPE = torch.float16   # the shipped head is fp16: its weights lose nothing, only the activations round
 _CHOICES: dict[tuple[Any, ...], str] = {}   # (out, in, M bucket, dtype, threads, head, approximate) -> form
+_SAVED: set[tuple[Any, ...]] = set()        # keys of `_CHOICES` read from or written to this machine's file
+_LOADED: set[str] = set()                   # the files read in this process
+_FORCED: set[tuple[Any, ...]] = set()       # keys set by `RASD_LINEAR`, not measured
+CHOICES_VERSION = 1                         # bump when a form's code or the timing changes what wins
 _TUNE_ROUNDS = 5
 _MAX_TUNED_ROWS = 64   # trees; a prefill (hundreds of rows) is not skinny: stock, and no timing on the way
 _BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)   # row counts timed at `install`; others take the next one up
@@ -217,6 +225,8 @@ def _form(weight: torch.Tensor, rows: int, head: bool, bare: bool = False, appro
             forced = _unpacked_form(key[2])
         if forced == HALF and not approximate:   # never the target's products
             forced = STOCK
+        if forced in _FORMS:
+            _FORCED.add(key)   # never written to the machine's file
         choice = (forced if forced in _FORMS
                   else _time_forms(weight, key[2], head, cold=bare or approximate, approximate=approximate,
                                    packable=not bare))
@@ -294,8 +304,72 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
         # set even on a module already patched: a head's layer is a deep copy of an installed target layer
         module._rasd_approximate = approximate
     ALL_ATTENTION_FUNCTIONS["sdpa"] = _tree_sdpa
+    _load_choices()
     _tune(model, head)
+    _save_choices()
     return model
+
+
+def machine_id() -> str:
+    """This CPU and torch build, as a short name: what the measured forms depend on (besides the threads,
+    which are in each key)."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = "".join(line for line in fh if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        cpu = platform.processor()
+    ident = f"{platform.machine()}|{cpu}|{os.cpu_count()}|{torch.__version__}|{packing_available()}"
+    return f"{platform.machine()}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}-v{CHOICES_VERSION}"
+
+
+def _choices_file() -> Any:
+    from rasd.paths import kernel_choices_path
+
+    return kernel_choices_path(machine_id())
+
+
+def _load_choices() -> None:
+    """The forms measured by earlier processes on this machine (once per file and process).
+
+    Why: timing every shape and bucket costs each process that loads a model ≈ 9 s (a serve replica, a
+    batch actor, a draft worker, a CLI run), for the same answer every time on the same machine. A forced
+    form (`RASD_LINEAR`) reads nothing; a corrupt file is ignored and rewritten by the next measurement."""
+    if os.environ.get("RASD_LINEAR", "auto") != "auto":
+        return
+    path = _choices_file()
+    if str(path) in _LOADED:
+        return
+    _LOADED.add(str(path))
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        for (out, inp, rows_, dtype, threads, head, approximate), form in rows:
+            key = (out, inp, rows_, getattr(torch, dtype), threads, head, approximate)
+            if form in _FORMS and isinstance(getattr(torch, dtype), torch.dtype):
+                _CHOICES.setdefault(key, form)
+                _SAVED.add(key)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return
+
+
+def _save_choices() -> None:
+    """Add what this process measured to the machine's file (atomically; a lost race costs a re-measure)."""
+    if os.environ.get("RASD_LINEAR", "auto") != "auto":
+        return
+    new = [k for k in _CHOICES if k not in _SAVED and k not in _FORCED]
+    if not new:
+        return
+    from rasd.fsio import write_json_atomic
+
+    _SAVED.update(new)
+    _LOADED.discard(str(_choices_file()))
+    _load_choices()   # merge with what other processes wrote meanwhile
+    rows = [[[k[0], k[1], k[2], str(k[3]).removeprefix("torch."), k[4], k[5], k[6]], v]
+            for k, v in _CHOICES.items() if k in _SAVED]
+    try:
+        write_json_atomic(_choices_file(), rows)
+    except OSError:
+        pass   # a read-only home: the process keeps its own measurements
 
 
 def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
@@ -303,8 +377,8 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
 
     Why up front: measured lazily, the first tree of each size would carry the timing (≈ 0.1 s for the LM
     head) and the cost-aware sizer, which learns from measured verification times, would take that size
-    for expensive. Once per (shape, bucket, threads) in a process: a few seconds for SmolLM2-135M. The
-    weights whose shape packs best for some bucket are packed here too, for the same reason.
+    for expensive. Once per (shape, bucket, threads) on a machine (`_load_choices`): ≈ 9 s for SmolLM2-135M.
+    The weights whose shape packs best for some bucket are packed here too, for the same reason.
 
     The layers' products are timed as decoding runs them, one after another over the whole model
     (`_sweep`); the LM head alone is larger than any cache, so timing its weight by itself is already fair.

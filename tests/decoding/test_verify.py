@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -399,3 +401,44 @@ def test_an_eagle_head_allows_half_products_and_its_target_does_not() -> None:
     assert all(m._rasd_approximate for m in head.modules() if isinstance(m, torch.nn.Linear))
     install(target)
     assert not any(getattr(m, "_rasd_approximate", False) for m in target.modules())
+
+
+def test_measured_forms_are_kept_for_the_machine_and_a_second_process_times_nothing(tmp_path, monkeypatch) -> None:
+    """Each process that loads a model used to time every shape again (≈ 9 s); the next one now reads them."""
+    from rasd.decoding import kernels
+    from tests.helpers import fresh_tiny_llama
+
+    monkeypatch.setenv("RASD_HOME", str(tmp_path))
+    monkeypatch.setenv("RASD_LINEAR", "auto")
+    for name in ("_CHOICES", "_SAVED", "_LOADED", "_FORCED"):
+        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
+    install(fresh_tiny_llama(0))
+    measured = dict(kernels._CHOICES)
+    saved = json.loads(kernels._choices_file().read_text())
+    assert measured and len(saved) == len(measured) and kernels._choices_file().parent == tmp_path / "kernels"
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed again")
+
+    # a new process: nothing in memory, the machine's file on disk
+    for name in ("_CHOICES", "_SAVED", "_LOADED"):
+        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
+    monkeypatch.setattr(kernels, "pass_times", no_timing)
+    monkeypatch.setattr(kernels, "_time_forms", no_timing)
+    install(fresh_tiny_llama(0))
+    assert kernels._CHOICES == measured
+    # a corrupt file is never trusted: measured again and rewritten
+    kernels._choices_file().write_text("{not json")
+    monkeypatch.undo()
+    monkeypatch.setenv("RASD_HOME", str(tmp_path))
+    for name in ("_CHOICES", "_SAVED", "_LOADED", "_FORCED"):
+        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
+    install(fresh_tiny_llama(0))
+    assert len(json.loads(kernels._choices_file().read_text())) == len(measured)
+    # a forced form is not a measurement: never written for the next process
+    monkeypatch.setenv("RASD_LINEAR", "stock")
+    install(torch.nn.Sequential(torch.nn.Linear(24, 45)))
+    monkeypatch.setenv("RASD_LINEAR", "auto")
+    install(torch.nn.Sequential(torch.nn.Linear(24, 46)))
+    shapes = {tuple(key[:2]) for key, _ in json.loads(kernels._choices_file().read_text())}
+    assert (46, 24) in shapes and (45, 24) not in shapes
