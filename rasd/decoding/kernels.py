@@ -47,6 +47,7 @@ import types
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ STOCK, TRANSPOSED, PACKED, PADDED, HALF = "stock", "transposed", "packed", "padd
 _FORMS = (STOCK, TRANSPOSED, PACKED, PADDED, HALF)
 _HALF_DTYPE = torch.float16   # the shipped head is fp16: its weights lose nothing, only the activations round
 _CHOICES: dict[tuple[Any, ...], str] = {}   # (out, in, M bucket, dtype, threads, head, approximate) -> form
-_SAVED: set[tuple[Any, ...]] = set()        # keys of `_CHOICES` read from or written to this machine's file
+_SAVED: dict[tuple[Any, ...], str] = {}    # what this machine's file holds (read, or written by this process)
 _LOADED: set[str] = set()                   # the files read in this process
 _FORCED: set[tuple[Any, ...]] = set()       # keys set by `RASD_LINEAR`, not measured
 CHOICES_VERSION = 1                         # bump when a form's code or the timing changes what wins
@@ -323,7 +324,7 @@ def machine_id() -> str:
     return f"{platform.machine()}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}-v{CHOICES_VERSION}"
 
 
-def _choices_file() -> Any:
+def _choices_file() -> Path:
     from rasd.paths import kernel_choices_path
 
     return kernel_choices_path(machine_id())
@@ -347,7 +348,7 @@ def _load_choices() -> None:
             key = (out, inp, rows_, getattr(torch, dtype), threads, head, approximate)
             if form in _FORMS and isinstance(getattr(torch, dtype), torch.dtype):
                 _CHOICES.setdefault(key, form)
-                _SAVED.add(key)
+                _SAVED.setdefault(key, form)
     except (OSError, ValueError, TypeError, AttributeError):
         return
 
@@ -361,11 +362,10 @@ def _save_choices() -> None:
         return
     from rasd.fsio import write_json_atomic
 
-    _SAVED.update(new)
+    _SAVED.update({k: _CHOICES[k] for k in new})
     _LOADED.discard(str(_choices_file()))
     _load_choices()   # merge with what other processes wrote meanwhile
-    rows = [[[k[0], k[1], k[2], str(k[3]).removeprefix("torch."), k[4], k[5], k[6]], v]
-            for k, v in _CHOICES.items() if k in _SAVED]
+    rows = [[[k[0], k[1], k[2], str(k[3]).removeprefix("torch."), k[4], k[5], k[6]], v] for k, v in _SAVED.items()]
     try:
         write_json_atomic(_choices_file(), rows)
     except OSError:
