@@ -47,12 +47,16 @@ import types
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from rasd.fsio import write_json_atomic
+from rasd.paths import kernel_choices_path
 
 _state = threading.local()
 _STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -311,6 +315,7 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+@cache
 def machine_id() -> str:
     """This CPU and torch build, as a short name: what the measured forms depend on (besides the threads,
     which are in each key)."""
@@ -325,9 +330,7 @@ def machine_id() -> str:
 
 
 def _choices_file() -> Path:
-    from rasd.paths import kernel_choices_path
-
-    return kernel_choices_path(machine_id())
+    return kernel_choices_path(machine_id())   # read per call: $RASD_HOME may change (tests)
 
 
 def _load_choices() -> None:
@@ -346,7 +349,7 @@ def _load_choices() -> None:
         rows = json.loads(path.read_text(encoding="utf-8"))
         for (out, inp, rows_, dtype, threads, head, approximate), form in rows:
             key = (out, inp, rows_, getattr(torch, dtype), threads, head, approximate)
-            if form in _FORMS and isinstance(getattr(torch, dtype), torch.dtype):
+            if form in _FORMS and isinstance(key[3], torch.dtype):
                 _CHOICES.setdefault(key, form)
                 _SAVED.setdefault(key, form)
     except (OSError, ValueError, TypeError, AttributeError):
@@ -360,8 +363,6 @@ def _save_choices() -> None:
     new = [k for k in _CHOICES if k not in _SAVED and k not in _FORCED]
     if not new:
         return
-    from rasd.fsio import write_json_atomic
-
     _SAVED.update({k: _CHOICES[k] for k in new})
     _LOADED.discard(str(_choices_file()))
     _load_choices()   # merge with what other processes wrote meanwhile
