@@ -146,7 +146,7 @@ def test_a_batch_ranks_rows_by_their_estimates_uncalibrated() -> None:
     """A batch has no exploration step: a row whose first places were scaled down by the single-request
     calibration (`AcceptanceEstimator.position_factor`) would be held at W = 1 with nothing more to learn."""
     sizer = cost_sizer()
-    sizer.estimator.calibration[1] = [0.0, 20.0]      # the likeliest place: predicted 20 tokens, got none
+    sizer.estimator.calibration[(1, True)] = [0.0, 20.0]      # the likeliest place: predicted 20 tokens, got none
     assert sizer.estimator.position_factor(1) < 0.1
     tree = chain(3)
     plan = plan_row(tree, sizer)

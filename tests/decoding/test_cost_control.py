@@ -242,15 +242,31 @@ def bushy(n: int) -> DraftTree:
 
 
 def test_the_estimator_learns_how_each_place_of_its_ranking_fares() -> None:
-    """Nodes ranked 8th and later predicted at 0.9 and never accepted: their places' factor falls toward 0,
-    the first place (accepted every time) keeps at least its own; with no evidence every factor is 1."""
+    """Side branches ranked 8th and later predicted at 0.9 and never accepted: their places' factor falls
+    toward 0, the first place (accepted every time) keeps at least its own; with no evidence every factor is 1."""
     est = FixedEstimate()
-    assert [est.position_factor(k) for k in (1, 2, 8, 40)] == [1.0] * 4
+    assert [est.position_factor(k, main) for k in (1, 2, 8, 40) for main in (True, False)] == [1.0] * 8
     for _ in range(30):
         est.update(bushy(12), [1])
     assert est.position_factor(1) >= 1.0
-    assert est.position_factor(8) < 0.15 and est.position_factor(12) < 0.15
-    assert est.calibrated([0.9, 0.9], start=7) == pytest.approx([0.9 * est.position_factor(8)] * 2)
+    assert est.position_factor(8, main=False) < 0.15 and est.position_factor(12, main=False) < 0.15
+    assert est.calibrated([0.9, 0.9], start=7, mains=[False, False]) == pytest.approx(
+        [0.9 * est.position_factor(8, main=False)] * 2)
+
+
+def test_a_chain_is_not_calibrated_by_the_side_branches_that_failed_at_its_places() -> None:
+    """Bushy trees whose 2nd-7th guesses (side branches) always fail, then a copied chain accepted whole: the
+    chain's 4th-7th tokens keep their own factor, and the sizer still verifies the whole chain. Pooled by place
+    alone, the bushes' misses cut such chains at 3 tokens, step after step (LongBench docqa)."""
+    curve = CostCurve(key="cpu", context_len=256, sizes=[1, 4, 5, 8, 12],
+                      latency_s=[0.040, 0.045, 0.051, 0.060, 0.076])
+    sizer = CostAwareSizer(lambda n: curve, estimator=FixedEstimate(p=0.6))
+    for _ in range(30):
+        sizer.observe(bushy(7), [1], overhead_s=0.0)
+    est = sizer.estimator
+    assert est.position_factor(4, main=False) < 0.3
+    assert est.position_factor(4, main=True) == pytest.approx(1.0)
+    assert sizer.cut(chain(8), 100).num_draft_tokens == 8
 
 
 def test_a_sizer_stops_verifying_big_trees_that_never_paid() -> None:

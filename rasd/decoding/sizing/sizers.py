@@ -9,8 +9,9 @@ p̂ is not trusted from proposers: `AcceptanceEstimator` learns, online, how oft
 that its parent was, per (source, depth, sibling rank, proposer-confidence bucket), with Beta posteriors
 that decay toward a prior so they follow the current request: a source that stopped being tried drifts back
 to the prior mean and gets tried again (optionally, `thompson=True` samples the posteriors instead). What
-those estimates still get wrong in the trees the sizer picks is learnt too: per position in its ranking,
-accepted over predicted (`position_factor`), which scales p̂ before the cut.
+those estimates still get wrong in the trees the sizer picks is learnt too: per position in its ranking, for
+nodes on their source's main line and for side branches apart, accepted over predicted (`position_factor`),
+which scales p̂ before the cut.
 When nothing pays for its cost, n = 0 and the step is plain decoding: speculation never makes decoding
 markedly slower than `ar`.
 
@@ -79,8 +80,9 @@ class AcceptanceEstimator:
     seed: int = 0
     thompson: bool = False
     counts: dict[Key | tuple[str, int] | tuple[str, int, int], list[float]] = field(default_factory=dict)
-    # per `position_class`: [accepted, predicted] nodes at those places of the ranking (decayed like `counts`)
-    calibration: dict[int, list[float]] = field(default_factory=dict)
+    # per (`position_class`, on the main line): [accepted, predicted] nodes at those places of the ranking
+    # (decayed like `counts`)
+    calibration: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
     calibration_prior: float = 2.0   # pseudo-tokens of "as predicted": little evidence moves a factor little
 
     def __post_init__(self) -> None:
@@ -177,18 +179,28 @@ class AcceptanceEstimator:
             probs[i] = probs[tree.parents[i]] * rate[i]
         return probs
 
-    def position_factor(self, position: int) -> float:
+    def position_factor(self, position: int, main: bool = True) -> float:
         """Accepted over predicted tokens of the nodes verified at this place of the ranking (1 = likeliest),
         shrunk toward 1. Why: the sizer verifies a big tree exactly when its estimates are high, so their errors
         do not cancel there. On LongBench docqa (`pld` and `rasd`, 10 rows) nodes ranked 1-7 were accepted
         0.88-1.0 times as often as predicted, those ranked 8-15 0.12 times: trees of 9-32 tokens were predicted
-        4-6 accepted tokens and got 0.3-1.6, at 2.4-4x the cost of a 4-token tree."""
-        accepted, predicted = self.calibration.get(position_class(position), (0.0, 0.0))
+        4-6 accepted tokens and got 0.3-1.6, at 2.4-4x the cost of a 4-token tree.
+
+        Kept apart for nodes on their source's main line (`main_line`) and off it. Why: a place means different
+        things in a chain and in a bush. Pooled, the side branches of bushy trees (rejected siblings at places
+        4-7) set the factor that the 4th-7th tokens of a copied chain were scaled by, so `pld` and `rasd` cut
+        chains that were accepted whole at 3 tokens, step after step (LongBench docqa rows 6-13, interleaved:
+        `pld` 34.7 -> 38.8 tokens/s with the split; docs/lab-notes/eagle.md, 2026-12-03)."""
+        accepted, predicted = self.calibration.get((position_class(position), main), (0.0, 0.0))
         return (accepted + self.calibration_prior) / (predicted + self.calibration_prior)
 
-    def calibrated(self, ranked: list[float], start: int = 0) -> list[float]:
-        """p̂ of nodes in ranking order (`start` nodes ranked ahead of them), each times its place's factor."""
-        return [p * self.position_factor(start + k) for k, p in enumerate(ranked, start=1)]
+    def calibrated(self, ranked: list[float], start: int = 0, mains: list[bool] | None = None) -> list[float]:
+        """p̂ of nodes in ranking order (`start` nodes ranked ahead of them), each times its place's factor;
+        `mains`: whether each is on its source's main line (`main_line`; default: all are, as a look-ahead's
+        likeliest children are)."""
+        mains = [True] * len(ranked) if mains is None else mains
+        return [p * self.position_factor(place, main)
+                for place, (p, main) in enumerate(zip(ranked, mains, strict=True), start=start + 1)]
 
     def update(self, tree: DraftTree, accepted: list[int]) -> None:
         """Learn from a verified tree: every child of the root or of an accepted node was 'tried'.
@@ -220,8 +232,9 @@ class AcceptanceEstimator:
             entry[0] *= self.decay
             entry[1] *= self.decay
         order = sorted(range(1, len(tree)), key=lambda i: (-probs[i], i))
+        main = main_line(tree)
         for position, node in enumerate(order, start=1):
-            entry = self.calibration.setdefault(position_class(position), [0.0, 0.0])
+            entry = self.calibration.setdefault((position_class(position), main[node]), [0.0, 0.0])
             entry[0] += float(node in accepted)
             entry[1] += probs[node]
 
@@ -244,6 +257,15 @@ def sibling_ranks(tree: DraftTree) -> list[int]:
             for r, i in enumerate(sorted(members, key=lambda j: (-tree.scores[j], j))):
                 rank[i] = r
     return rank
+
+
+def main_line(tree: DraftTree) -> list[bool]:
+    """Whether each node is on its source's likeliest line: it and all its ancestors rank 0 among siblings."""
+    rank = sibling_ranks(tree)
+    out = [True] * len(tree)
+    for i in range(1, len(tree)):
+        out[i] = rank[i] == 0 and out[tree.parents[i]]
+    return out
 
 
 def _share_parent(rate: list[float], kids: list[int]) -> None:
@@ -365,9 +387,12 @@ class CostAwareSizer(SizerDefaults):
         probs = self.estimator.path_probs(tree)
         sampled, ranked = rank_nodes(tree, probs)
         limit = min(len(ranked), max(self.budget(context_len) - len(sampled), 0))
-        gain, base = 1.0 + sum(self.estimator.calibrated([probs[i] for i in sampled])), len(sampled) + 1
+        main = main_line(tree)
+        gain = 1.0 + sum(self.estimator.calibrated([probs[i] for i in sampled], mains=[main[i] for i in sampled]))
+        base = len(sampled) + 1
         floor = (self.margin if not sampled else gain) / (self.latency(curve, base) + self.overhead_s)
-        values = self.estimator.calibrated([probs[i] for i in ranked[:limit]], start=len(sampled))
+        values = self.estimator.calibrated([probs[i] for i in ranked[:limit]], start=len(sampled),
+                                           mains=[main[i] for i in ranked[:limit]])
         best_n, _ = self._best_prefix(values, base, gain, floor, curve)
         self._plain_steps = self._plain_steps + 1 if best_n == 0 else 0
         self._exploring = False
