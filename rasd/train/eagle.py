@@ -58,9 +58,24 @@ def conversation_ids(tokenizer: Any, rows: list[dict], seq_len: int, min_len: in
     return out
 
 
+def user_turns(row: dict, turns: tuple[int, ...] = (1,)) -> list[str]:
+    """The row's user turns numbered `turns` (1-based; the first is what `_prompt_of` gives), those it has.
+
+    Later turns are more prompts from the same conversations: the target answers each alone, which is still
+    its own distribution, so a head can keep learning after the first turns are used up."""
+    from rasd.train.common import _prompt_of
+
+    said = [str(t.get("value", "")) for t in row.get("conversations") or [] if t.get("from") in ("human", "user")]
+    if not said:
+        first = _prompt_of(row)
+        said = [first] if first else []
+    return [said[k - 1] for k in turns if 0 < k <= len(said) and said[k - 1]]
+
+
 def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path | None, window: int = 32,
-                     batch: int = 128) -> dict[str, Any]:
-    """The target's greedy answers to each conversation's first turn, with their features (EAGLE-3's data).
+                     batch: int = 128, turns: tuple[int, ...] = (1,)) -> dict[str, Any]:
+    """The target's greedy answers to each conversation's user turns `turns` (default the first), with their
+    features (EAGLE-3's data).
 
     Each answer is a `window`-token prompt (the turn's end through the chat template) + up to `gen_tokens`
     new tokens, cut after the first EOS. The final-norm features are taken from the generation's own forwards
@@ -69,9 +84,9 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     conversations reuses a smaller run's answers and an interrupted run resumes.
     Returns what `extract_features` does: {"tokens": [list], "feats": [fp16 [n_i, H]], "counts": [vocab]}.
     """
-    from rasd.train.common import _prompt_of, prompt_windows
+    from rasd.train.common import prompt_windows
 
-    prompts = [p for p in (_prompt_of(r) for r in rows) if p]
+    prompts = [p for k in turns for r in rows for p in user_turns(r, (k,))]
     windows = prompt_windows(target.tokenizer, prompts, window)
     eos = sorted(set(target.eos_token_ids or ()))
     vocab = target.model.get_output_embeddings().weight.shape[0]
@@ -458,6 +473,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--regenerate", type=int, default=0, metavar="TOKENS",
                    help="train on the target's own greedy answers (this many tokens) to each conversation's first "
                         "turn (EAGLE-3's data: what the head will draft) instead of the conversations as they are")
+    p.add_argument("--turns", default="1",
+                   help="with --regenerate: which user turns of each conversation are prompts, 1-based and comma "
+                        "separated (`2` continues a head trained on the first turns on prompts it never saw)")
     p.add_argument("--ttt", action="store_true",
                    help="EAGLE-3's training-time test: also train depth 2 on the head's own predicted features")
     p.add_argument("--init", type=Path, default=None,
@@ -484,6 +502,17 @@ def _rows(data: str) -> list[dict]:
     return [r for r in rows if r.get("conversations")]
 
 
+def _turns(text: str) -> tuple[int, ...]:
+    """`--turns` as numbers; a one-line error for anything but positive integers."""
+    try:
+        turns = tuple(int(t) for t in str(text).split(",") if t.strip())
+    except ValueError:
+        turns = ()
+    if not turns or min(turns) < 1:
+        raise ValueError(f"--turns {text!r}: give user turn numbers from 1, comma separated (e.g. 1 or 1,2)")
+    return turns
+
+
 def run(args: argparse.Namespace) -> int:
     from rasd.decoding.model_loading import ModelLoadError, load_model
     from rasd.errors import CliError
@@ -491,6 +520,7 @@ def run(args: argparse.Namespace) -> int:
     from rasd.train.common import generation_cache
 
     try:
+        _turns(getattr(args, "turns", "1"))
         rows = _rows(args.data)
         if len(rows) < 2:
             raise ValueError(f"{args.data}: need at least 2 conversations (one is held out)")
@@ -521,7 +551,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     regen = getattr(args, "regenerate", 0)
     folder = features_dir / model_fingerprint(target.model)
     if regen:
-        data = regenerated_data(target, train_rows, regen, selfgen)
+        data = regenerated_data(target, train_rows, regen, selfgen, turns=_turns(getattr(args, "turns", "1")))
     else:
         seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
         data = extract_features(target.model, seqs, folder) if seqs else {"tokens": []}
@@ -551,6 +581,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     report = {"model": args.model, "data": args.data, "sequences": len(seqs), "seq_len": args.seq_len,
               "train_tokens": tokens, "steps": steps, "batch": args.batch, "lr": args.lr, "noise": args.noise,
               "cls_weight": args.cls_weight, "regenerate": regen, "ttt": args.ttt,
+              "turns": list(_turns(getattr(args, "turns", "1"))) if regen else None,
               "init": str(args.init) if args.init else None,
               "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
               "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,

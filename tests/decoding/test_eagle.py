@@ -27,7 +27,7 @@ from rasd.decoding.sizing.sizers import FixedSizer
 from rasd.decoding.static_step import StepConfig
 from rasd.index.suffix_array import SuffixArray
 from rasd.train.common import greedy_continuations
-from rasd.train.eagle import depth_agreement, draft_vocabulary, extract_features, train_head
+from rasd.train.eagle import _turns, depth_agreement, draft_vocabulary, extract_features, train_head, user_turns
 from tests.decoding.test_eesd import WORDS, tiny_model_dir  # noqa: F401 - a fixture
 from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
@@ -211,14 +211,14 @@ def test_head_file_round_trip_and_refusals(tmp_path: Path) -> None:
 
 
 def conversations_file(tmp_path: Path, n: int = 24) -> Path:
-    """ShareGPT-style rows: a user turn and an assistant turn of random words."""
+    """ShareGPT-style rows: a user turn, an assistant turn and a second user turn of random words."""
     gen = torch.Generator().manual_seed(0)
 
     def words(k: int) -> str:
         return " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (k,), generator=gen))
 
-    rows = [{"conversations": [{"from": "human", "value": words(40)}, {"from": "gpt", "value": words(30)}]}
-            for _ in range(n)]
+    rows = [{"conversations": [{"from": "human", "value": words(40)}, {"from": "gpt", "value": words(30)},
+                               {"from": "human", "value": words(36)}]} for _ in range(n)]
     path = tmp_path / "conversations.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -248,11 +248,30 @@ def test_train_eagle_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,  # noq
     # continued on the target's own answers with the training-time test: same vocabulary, a report that says so
     more = tmp_path / "head2.safetensors"
     assert main([*args[:-2], "--eval-seqs", "4", "--out", str(more), "--init", str(out), "--regenerate", "12",
-                 "--ttt", "--steps", "10"]) == 0
+                 "--ttt", "--steps", "10", "--turns", "1,2"]) == 0
     report2 = json.loads(more.with_suffix(".json").read_text())
     assert report2["regenerate"] == 12 and report2["ttt"] and report2["init"] == str(out)
+    assert report2["turns"] == [1, 2] and report2["sequences"] == 32, "each conversation's two user turns"
     assert torch.equal(load_file(str(more))["draft_vocab"], first["draft_vocab"])
     assert list((tmp_path / "home" / "selfgen").rglob("*.pt")), "the regenerated answers are cached"
+
+
+def test_later_user_turns_are_prompts_of_their_own_and_bad_turn_lists_are_refused(tmp_path: Path,
+                                                                                 capsys: pytest.CaptureFixture[str]
+                                                                                 ) -> None:
+    row = {"conversations": [{"from": "human", "value": "first"}, {"from": "gpt", "value": "answer"},
+                             {"from": "human", "value": "second"}, {"from": "gpt", "value": "more"},
+                             {"from": "user", "value": "third"}]}
+    assert user_turns(row) == ["first"]
+    assert user_turns(row, (2,)) == ["second"] and user_turns(row, (1, 3)) == ["first", "third"]
+    assert user_turns(row, (4,)) == [], "a conversation without that turn gives no prompt"
+    assert user_turns({"prompt": "plain"}, (1,)) == ["plain"] and user_turns({"prompt": "plain"}, (2,)) == []
+    assert _turns("2") == (2,) and _turns("1, 2") == (1, 2)
+    for bad in ("0", "x", "", "-1"):
+        with pytest.raises(ValueError, match="--turns"):
+            _turns(bad)
+    assert main(["train", "eagle", "--data", str(tmp_path / "none.jsonl"), "--turns", "0"]) != 0
+    assert "--turns" in capsys.readouterr().err, "refused before the data or the model is read"
 
 
 def test_a_sizer_that_says_no_layer_pays_stops_the_tree_at_depth_one_and_output_is_unchanged() -> None:
