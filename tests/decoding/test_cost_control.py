@@ -269,6 +269,20 @@ def test_a_chain_is_not_calibrated_by_the_side_branches_that_failed_at_its_place
     assert sizer.cut(chain(8), 100).num_draft_tokens == 8
 
 
+def test_no_layer_is_grown_under_side_branches_that_never_paid() -> None:
+    """The look-ahead calibrates as the cut does: after bushes whose side branches always failed, a child
+    under the main line still pays for its forward and one under a side branch does not. Calibrated as if every
+    node were on the main line, the side branch was grown at every draft forward cost."""
+    curve = CostCurve(key="cpu", context_len=256, sizes=[1, 4, 5, 8, 12],
+                      latency_s=[0.040, 0.045, 0.051, 0.060, 0.076])
+    sizer = CostAwareSizer(lambda n: curve, estimator=FixedEstimate(p=0.6))
+    for _ in range(30):
+        sizer.observe(bushy(7), [1], overhead_s=0.0)
+    for forward_s in (0.0005, 0.005):
+        assert sizer.grow_pays(bushy(2), [1], 100, forward_s=forward_s)
+        assert not sizer.grow_pays(bushy(2), [2], 100, forward_s=forward_s)
+
+
 def test_a_sizer_stops_verifying_big_trees_that_never_paid() -> None:
     """The sizer picks a big tree exactly when its estimates are high, so their errors pile up there: once the
     places past the first have been seen to fail, the same estimates no longer buy a 13-token tree."""

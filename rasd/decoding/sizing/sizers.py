@@ -519,24 +519,31 @@ class GrowRule:
         pays when the best cut of that tree, charged the draft forward, beats the best cut of the tree as it is.
         `source`: the children's source when it is not their parent's (the root's children: the drafter's).
         Under sampling the drafter asks only about nodes already drawn, so the decision never depends on a
-        node's own value."""
-        probs = self.estimator.path_probs(tree)
-        depths = tree.depths()
-        now = [probs[i] for i in range(1, len(tree))]
+        node's own value. Both trees are calibrated as `cut` calibrates them, each node by its place and whether
+        it is on its source's main line: a child under a side branch is a side branch, one under the main line
+        is not, so where side branches never pay no layer is grown under them."""
+        est = self.estimator
+        probs, depths, main = est.path_probs(tree), tree.depths(), main_line(tree)
         child_source = [source or tree.sources[f] for f in frontier]
-        rates = {src: self.estimator.coarse_rates(src, top=True) for src in set(child_source)}
+        rates = {src: est.coarse_rates(src, top=True) for src in set(child_source)}
         taken = dict.fromkeys(frontier, 0.0)       # the conditional rates a frontier node's children have already
         for i in range(1, len(tree)):
             if tree.parents[i] in taken and probs[tree.parents[i]] > 0:
                 taken[tree.parents[i]] += probs[i] / probs[tree.parents[i]]
-        # a new child beside them adds at most what they leave (`_share_parent`: min(rate, 1 - taken))
-        deeper = [probs[f] * min(rates[src][min(depths[f] + 1, self.estimator.max_depth)], max(0.0, 1.0 - taken[f]))
+        # a new child beside them adds at most what they leave (`_share_parent`: min(rate, 1 - taken)); it is its
+        # parent's likeliest child, so on the main line where its parent is
+        deeper = [(probs[f] * min(rates[src][min(depths[f] + 1, est.max_depth)], max(0.0, 1.0 - taken[f])), main[f])
                   for f, src in zip(frontier, child_source, strict=True)]
-        budget, calibrated = len(self.step_s) - 1, self.estimator.calibrated
+        now = [(probs[i], main[i]) for i in range(1, len(tree))]
         plain = self.margin / self.step_s[0]
-        grown = best_prefix(calibrated(sorted(deeper + now, reverse=True)[:budget]), 1, 1.0, plain, self._step,
-                            forward_s)
-        return grown[1] > best_prefix(calibrated(sorted(now, reverse=True)[:budget]), 1, 1.0, plain, self._step)[1]
+        return self._best(deeper + now, plain, forward_s) > self._best(now, plain, 0.0)
+
+    def _best(self, nodes: list[tuple[float, bool]], plain: float, extra_s: float) -> float:
+        """Expected tokens per second of the best cut of these (p̂, on the main line) nodes, calibrated as `cut`
+        calibrates them, charged `extra_s`."""
+        ranked = sorted(nodes, key=lambda n: -n[0])[: len(self.step_s) - 1]
+        values = self.estimator.calibrated([p for p, _ in ranked], mains=[m for _, m in ranked])
+        return best_prefix(values, 1, 1.0, plain, self._step, extra_s)[1]
 
     def __call__(self, tree: DraftTree, frontier: list[int], context_len: int, forward_s: float) -> bool:
         """A drafter's `grow_pays` hook (the context length is this rule's already)."""
