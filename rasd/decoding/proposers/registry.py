@@ -195,7 +195,7 @@ def _build_eagle(inputs: ProposerInputs) -> Proposer:
 
 
 # Whether `rasd` without --draft-model drafts with the target's EAGLE head when one exists ("auto") or not
-# ("off": `rasd:head=off`). Auto: with the shipped head (held-out top-1 0.45), over seven interleaved runs
+# ("off": `rasd:head=off`). Auto: with the head shipped then (v4, held-out top-1 0.45), over seven interleaved runs
 # `rasd` with the head ran on average ≈ 3% faster than without it (from -4% to +12%, each within the VM's noise;
 # docs/lab-notes/eagle.md, 2026-11-29), accepting more tokens a step in every one. Output is the same either way.
 RASD_HEAD_DEFAULT = "auto"
