@@ -520,7 +520,7 @@ def run(args: argparse.Namespace) -> int:
     from rasd.train.common import generation_cache
 
     try:
-        _turns(getattr(args, "turns", "1"))
+        _turns(getattr(args, "turns", "1"))   # a bad --turns is refused before the data and the model are read
         rows = _rows(args.data)
         if len(rows) < 2:
             raise ValueError(f"{args.data}: need at least 2 conversations (one is held out)")
@@ -548,10 +548,10 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
 
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    regen = getattr(args, "regenerate", 0)
+    regen, turns = getattr(args, "regenerate", 0), _turns(getattr(args, "turns", "1"))
     folder = features_dir / model_fingerprint(target.model)
     if regen:
-        data = regenerated_data(target, train_rows, regen, selfgen, turns=_turns(getattr(args, "turns", "1")))
+        data = regenerated_data(target, train_rows, regen, selfgen, turns=turns)
     else:
         seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
         data = extract_features(target.model, seqs, folder) if seqs else {"tokens": []}
@@ -581,7 +581,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     report = {"model": args.model, "data": args.data, "sequences": len(seqs), "seq_len": args.seq_len,
               "train_tokens": tokens, "steps": steps, "batch": args.batch, "lr": args.lr, "noise": args.noise,
               "cls_weight": args.cls_weight, "regenerate": regen, "ttt": args.ttt,
-              "turns": list(_turns(getattr(args, "turns", "1"))) if regen else None,
+              "turns": list(turns) if regen else None,
               "init": str(args.init) if args.init else None,
               "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
               "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,
