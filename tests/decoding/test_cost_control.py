@@ -541,29 +541,42 @@ def test_a_drafter_beside_a_confident_free_source_does_not_pay_for_its_forward()
     assert sizer.root_pays(0, "head", 100, forward_s=0.008, tree=weak)
 
 
-def test_a_refused_drafter_is_let_through_now_and_then_and_what_it_drafts_is_verified() -> None:
+def test_a_refused_drafter_is_let_through_now_and_then_and_its_likeliest_child_is_verified() -> None:
     """A refused drafter brings no evidence, so every `explore_every × backoff` refused steps it drafts anyway,
-    and the next cut verifies its nodes whatever their estimate; the interval doubles (bounded) while the rule
-    keeps refusing after such a step, and restarts once the rule grants."""
-    sizer = trained_sizer(flat, accept=False)
-    sizer.explore_every, sizer.max_backoff = 3, 4
+    and the next cut verifies its likeliest depth-1 child (the probe) whatever its estimate, and only that; the
+    interval doubles (bounded) each time the probe is rejected and restarts when one is accepted. Why on the
+    verdict, not on the rule refusing again: one rejection lowers the rate, so the rule refused after nearly
+    every probe and the interval reached its bound within a prompt; `eagle` then kept its head off through
+    whole Spec-Bench categories where one head node a step was accepted 40% of the time."""
+    def cpu(context_len: int) -> CostCurve:   # a second token costs a fifth of a step, more cost much more
+        return CostCurve(key="cpu", context_len=256, sizes=[1, 2, 8, 16], latency_s=[0.05, 0.06, 0.4, 0.8])
 
-    def steps_until_let_through() -> int:
+    sizer = CostAwareSizer(cpu, estimator=AcceptanceEstimator(thompson=False))
+    sizer.explore_every, sizer.max_backoff = 3, 4
+    for _ in range(200):                                     # the drafter and another source, never right
+        sizer.observe(chain(12), [], overhead_s=0.0)
+        sizer.observe(chain(3, "other"), [], overhead_s=0.0)
+    bush = DraftTree.root_only(0)            # the drafter's one child of the root (2) has a child of its own
+    for token, source in ((1, "other"), (2, "s"), (3, "other")):
+        bush.add(0, token, source, 0.5)
+    bush.add(2, 4, "s", 0.4)
+
+    def probe(accepted: bool) -> int:
+        """Steps until the drafter is let through; then the probe's verdict."""
         for n in range(1, 100):
             if sizer.root_pays(0, "s", 100, forward_s=0.001):
+                cut = sizer.cut(bush, 100)
+                assert cut.tokens == [0, 2], "only the drafter's likeliest depth-1 child is verified"
+                sizer.observe(cut, [1] if accepted else [], overhead_s=0.0)
                 return n
         raise AssertionError("never let through")
 
-    waits = [steps_until_let_through() for _ in range(4)]
-    assert waits == [3, 6, 12, 12]
-    assert sizer.cut(chain(6), 100).num_draft_tokens == sizer.explore_nodes   # verified, though it cannot pay
-    assert sizer.cut(chain(6), 100).num_draft_tokens == 0                     # ... once
-    for _ in range(300):                                   # the source turns out right after all
+    assert [probe(accepted=False) for _ in range(4)] == [3, 6, 12, 12]
+    assert probe(accepted=True) == 12
+    assert probe(accepted=False) == 3                        # the accepted probe restarted the interval
+    for _ in range(300):                                     # the source turns out right after all
         sizer.observe(chain(12), list(range(1, 13)), overhead_s=0.0)
     assert sizer.root_pays(0, "s", 100, forward_s=0.001)
-    for _ in range(300):
-        sizer.observe(chain(12), [], overhead_s=0.0)
-    assert steps_until_let_through() == 3                  # the backoff restarted when the rule granted
 
 
 def test_one_slow_verification_does_not_lock_a_tree_size_out_for_good() -> None:

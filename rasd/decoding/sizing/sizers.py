@@ -358,12 +358,13 @@ class CostAwareSizer(SizerDefaults):
         self._backoff = 1
         self._exploring = False
         # The drafter's first forward of a step (`root_pays`): refused steps since the last draft, the interval
-        # before it drafts anyway (doubling while the rule keeps refusing after such a draft), and whether the
-        # next `cut` must verify the nodes that draft proposed (else a low rate would never be measured again).
+        # before it drafts anyway (doubling each time the probe it then verifies is rejected, back to 1 when one
+        # is accepted), and the source whose likeliest depth-1 node the next `cut` must verify (the probe: else a
+        # low rate would never be measured again), then whose verdict `observe` waits for.
         self._root_refused = 0
         self._root_backoff = 1
-        self._root_explored = False
-        self._verify_next = False
+        self._probe_source: str | None = None
+        self._probing: str | None = None
 
     def latency(self, curve: CostCurve, n_tokens: int) -> float:
         """The measured curve's latency, scaled by what verifying trees of this size class really took."""
@@ -382,7 +383,7 @@ class CostAwareSizer(SizerDefaults):
         """The prefix-closed subtree of the best size (possibly just the root)."""
         curve = self._curve = self.curve_for(context_len)
         if tree.num_draft_tokens == 0:
-            self.last_choice, self._verify_next = (0, 0), False
+            self.last_choice = (0, 0)
             return tree
         probs = self.estimator.path_probs(tree)
         sampled, ranked = rank_nodes(tree, probs)
@@ -396,14 +397,19 @@ class CostAwareSizer(SizerDefaults):
         best_n, _ = self._best_prefix(values, base, gain, floor, curve)
         self._plain_steps = self._plain_steps + 1 if best_n == 0 else 0
         self._exploring = False
-        if self._plain_steps >= self.explore_every * self._backoff:   # estimates/costs may be stale: look again
+        if self._probe_source is None and self._plain_steps >= self.explore_every * self._backoff:
+            # estimates/costs may be stale: look again (not beside a drafter's probe, which looks already)
             best_n, self._plain_steps = min(self.explore_nodes, limit), 0
             self._exploring = best_n > 0
-        elif self._verify_next and best_n == 0:   # a drafter `root_pays` let through: measure what it drafted
-            best_n = min(self.explore_nodes, limit)   # (the sizer's own exploration schedule is left as it was)
-        self._verify_next = False
-        self.last_choice = (tree.num_draft_tokens, best_n + len(sampled))
-        return tree.subtree(sampled + ranked[:best_n])
+        keep = sampled + ranked[:best_n]
+        if self._probe_source is not None:   # a drafter `root_pays` let through: verify its likeliest child
+            probe = likeliest_child(tree, ranked, self._probe_source)
+            self._probing = None if probe is None else self._probe_source
+            if probe is not None and probe not in keep:
+                keep.append(probe)
+            self._probe_source = None
+        self.last_choice = (tree.num_draft_tokens, len(keep))
+        return tree.subtree(keep)
 
     def grow_pays(self, tree: DraftTree, frontier: list[int], context_len: int, forward_s: float) -> bool:
         """Whether one more draft forward (`forward_s`) to give the `frontier` nodes children can pay.
@@ -424,8 +430,13 @@ class CostAwareSizer(SizerDefaults):
         costs ≈ 7% of a step, and one head node a step was accepted about half the time on Spec-Bench qa and
         writing where the gate kept it off (1.18x `ar` against 1.07x). This asks the same question as
         `grow_pays` of the root alone, with the source's learnt depth-1 rate. A refused drafter brings no
-        evidence, so after `explore_every × backoff` refused steps it drafts anyway and the next `cut` verifies
-        what it drafted (the backoff doubles while the rule keeps refusing after such a step, up to `max_backoff`).
+        evidence, so after `explore_every × backoff` refused steps it drafts anyway and the next `cut` verifies its
+        likeliest child (the probe). The backoff doubles (up to `max_backoff`) when the probe is rejected and
+        restarts when one is accepted. Why on the verdict: doubling whenever the rule still refused after a probe
+        (one rejection lowers the rate, so nearly always) let the interval climb to its bound (256 steps); in one
+        Spec-Bench A/B the head then stayed off through ten prompts of five categories (1.00 accepted a step)
+        where one head node a step was accepted 25-60% of the time. One node, not four as before: the verdict
+        that matters is the likeliest child's, and four cost a 5-token verification to learn it.
 
         `tree`: the nodes the step has already from sources that cost nothing (`rasd`'s copying candidates), the
         drafter's children would stand beside them. Why: in document QA the request's own text offers the
@@ -435,16 +446,12 @@ class CostAwareSizer(SizerDefaults):
         """
         root = tree if tree is not None else DraftTree.root_only(root_token)
         if self.grow_rule(context_len, len(root)).pays(root, [0], forward_s, source=source):
-            self._root_refused, self._root_explored = 0, False
-            self._root_backoff = 1
+            self._root_refused, self._root_backoff = 0, 1
             return True
-        if self._root_explored:   # refused right after a draft that was let through to be measured
-            self._root_backoff = min(2 * self._root_backoff, self.max_backoff)
-            self._root_explored = False
         self._root_refused += 1
         if self._root_refused < self.explore_every * self._root_backoff:
             return False
-        self._root_refused, self._root_explored, self._verify_next = 0, True, True
+        self._root_refused, self._probe_source = 0, source
         return True
 
     def grow_rule(self, context_len: int, nodes: int | None = None) -> GrowRule:
@@ -465,6 +472,10 @@ class CostAwareSizer(SizerDefaults):
                 verify_s: float | None = None) -> None:
         """Update acceptance posteriors, the per-step overhead and the observed latency of this size."""
         self.estimator.update(tree, accepted)
+        if self._probing is not None:   # the probe's verdict sets the interval to the next one
+            hit = any(tree.parents[i] == 0 and tree.sources[i] == self._probing for i in accepted)
+            self._root_backoff = 1 if hit else min(2 * self._root_backoff, self.max_backoff)
+            self._probing = None
         if self._exploring:
             self._backoff = min(2 * self._backoff, self.max_backoff) if not accepted else 1
             self._exploring = False
@@ -487,6 +498,11 @@ class CostAwareSizer(SizerDefaults):
         old = self.observed.get(key)
         self.observed[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
         self.observed_all = ratio if self.observed_all is None else 0.9 * self.observed_all + 0.1 * ratio
+
+
+def likeliest_child(tree: DraftTree, ranked: list[int], source: str) -> int | None:
+    """The first of `ranked` that is a child of the root from `source` (None when the source drafted none)."""
+    return next((i for i in ranked if tree.parents[i] == 0 and tree.sources[i] == source), None)
 
 
 def best_prefix(ranked: list[float], base: int, gain: float, floor: float, step_s: Callable[[int], float],
