@@ -382,8 +382,8 @@ class CostAwareSizer(SizerDefaults):
     def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
         """The prefix-closed subtree of the best size (possibly just the root)."""
         curve = self._curve = self.curve_for(context_len)
-        if tree.num_draft_tokens == 0:
-            self.last_choice = (0, 0)
+        if tree.num_draft_tokens == 0:   # nothing drafted: no probe to verify (nor to hold exploration back)
+            self.last_choice, self._probe_source = (0, 0), None
             return tree
         probs = self.estimator.path_probs(tree)
         sampled, ranked = rank_nodes(tree, probs)
