@@ -553,6 +553,7 @@ def test_a_refused_drafter_is_let_through_now_and_then_and_its_likeliest_child_i
 
     sizer = CostAwareSizer(cpu, estimator=AcceptanceEstimator(thompson=False))
     sizer.explore_every, sizer.max_backoff = 3, 4
+    sizer.refused_keep = 1.0                                 # the probe alone here (the drift: the next test)
     for _ in range(200):                                     # the drafter and another source, never right
         sizer.observe(chain(12), [], overhead_s=0.0)
         sizer.observe(chain(3, "other"), [], overhead_s=0.0)
@@ -577,6 +578,35 @@ def test_a_refused_drafter_is_let_through_now_and_then_and_its_likeliest_child_i
     for _ in range(300):                                     # the source turns out right after all
         sizer.observe(chain(12), list(range(1, 13)), overhead_s=0.0)
     assert sizer.root_pays(0, "s", 100, forward_s=0.001)
+
+
+def test_a_refused_source_drifts_back_to_being_tried_and_other_sources_keep_what_was_learnt() -> None:
+    """Every refused step keeps `refused_keep` of what was learnt about the refused source, so a rate learnt on
+    text where the drafter was wrong does not outlive that text: the rule itself (not a probe) lets the drafter
+    through again after a few dozen refused steps. Why: after two Spec-Bench translation prompts `eagle` stayed
+    off through the summarization and QA prompts that followed. Without the drift it stays refused."""
+    def cpu(context_len: int) -> CostCurve:
+        return CostCurve(key="cpu", context_len=256, sizes=[1, 2, 8, 16], latency_s=[0.05, 0.06, 0.4, 0.8])
+
+    def refused_steps(keep: float) -> tuple[int | None, float]:
+        """Refused steps until the rule lets the drafter through (None: not in 200), and the other source's
+        depth-1 rate then."""
+        sizer = CostAwareSizer(cpu, estimator=AcceptanceEstimator(thompson=False))
+        sizer.explore_every, sizer.max_backoff, sizer.refused_keep = 10_000, 1, keep   # no probes
+        for _ in range(200):
+            sizer.observe(chain(3), [], overhead_s=0.0)                # the drafter "s": never right
+            sizer.observe(chain(3, "other"), [1], overhead_s=0.0)      # another source: right at depth 1
+        other = sizer.estimator.coarse_rates("other")[1]
+        assert not sizer.root_pays(0, "s", 100, forward_s=0.001)
+        for n in range(1, 200):
+            if sizer.root_pays(0, "s", 100, forward_s=0.001):
+                return n, other - sizer.estimator.coarse_rates("other")[1]
+        return None, other - sizer.estimator.coarse_rates("other")[1]
+
+    steps, other_moved = refused_steps(0.95)
+    assert steps is not None and steps <= 100
+    assert other_moved == 0.0, "only the refused source forgets"
+    assert refused_steps(1.0)[0] is None
 
 
 def test_one_slow_verification_does_not_lock_a_tree_size_out_for_good() -> None:
