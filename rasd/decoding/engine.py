@@ -25,7 +25,7 @@ from rasd.decoding.proposers.registry import DecoderSetup, make_proposer, method
 from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
 from rasd.decoding.sizing.cost import context_bucket, load_or_measure
 from rasd.decoding.sizing.gate import DraftGate
-from rasd.decoding.sizing.sizers import FixedSizer, Sizer, make_sizer
+from rasd.decoding.sizing.sizers import CostAwareSizer, FixedSizer, Sizer, make_sizer
 from rasd.decoding.static_step import StaticRows, StepConfig, shared_rows
 from rasd.decoding.stats import DecodeStats
 from rasd.decoding.tree import DraftTree
@@ -417,6 +417,9 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
         if spec.gate_block is None:
             raise ValueError(f"method {method!r} runs no draft model: it has no draft gate to turn on")
         proposer_options["gate"] = DraftGate(block=spec.gate_block)
+    single_node = proposer_options.pop("single_node", spec.single_node_arm)
+    if single_node is True and not spec.single_node_arm:
+        raise ValueError(f"method {method!r} has no one-node arm to turn on (only `eagle` does)")
     sizer_options: dict[str, Any] = {}
     if sizing == "ldlp":
         sizer_options = {"target": target.model, "model_name": target.name, "drafter": drafter,
@@ -429,6 +432,8 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
                     else FixedSizer(0))
     if hasattr(proposer, "use_sizer"):   # a model drafter stops growing where the sizer says a layer cannot pay
         proposer.use_sizer(sizer)
+    if single_node and isinstance(sizer, CostAwareSizer):
+        sizer.use_single_node_arm(spec.gate_block or 8)
     return SpeculativeDecoder(target.model, proposer, tokenizer=target.tokenizer, sizer=sizer,
                               max_context=target.max_context, method=method, step=getattr(target, "step", None))
 

@@ -609,6 +609,43 @@ def test_a_refused_source_drifts_back_to_being_tried_and_other_sources_keep_what
     assert refused_steps(1.0)[0] is None
 
 
+@pytest.mark.parametrize("single_faster", [True, False])
+def test_measured_speed_picks_between_the_sizers_trees_and_one_drafter_node_a_step(single_faster: bool) -> None:
+    """With the one-node arm (`use_single_node_arm`), blocks of steps alternate at first, then the arm that
+    committed more tokens per second (measured on the clock, not predicted) takes most steps. In a one-node step
+    the drafter grows no layer and `cut` keeps its likeliest depth-1 child alone, whatever the estimates; in a tree
+    step the sizer sizes as usual. Why: on a 2-core CPU one head node a step beat the sizer's trees in five of
+    five Spec-Bench runs, on a flat GPU curve the trees win; only the host's own clock knows which it is."""
+    now = [0.0]
+    sizer = trained_sizer(flat, accept=True)      # its own trees: many nodes
+    sizer.use_single_node_arm(block=2)
+    assert sizer.single_arm is not None
+    sizer.single_arm.clock = lambda: now[0]
+    bush = DraftTree.root_only(0)
+    for token, score in ((1, 0.3), (2, 0.6), (3, 0.2)):   # the likeliest depth-1 child is node 2 (token 2)
+        bush.add(0, token, "s", score)
+    bush.add(2, 4, "s", 0.5)
+    bush.add(4, 5, "s", 0.4)
+    context, single_steps = 100, 0
+    for _ in range(60):
+        assert sizer.root_pays(0, "s", context, forward_s=0.001)
+        single = sizer._single is not None
+        assert not (single and sizer.grow_pays(bush, [4], context, forward_s=0.0)), "one node: no layer grown"
+        cut = sizer.cut(bush, context)
+        if single:
+            assert cut.tokens == [0, 2], "one node: the drafter's likeliest depth-1 child alone"
+            single_steps += 1
+        else:
+            assert len(cut) > 2, "a tree step is sized as usual (a flat curve, a source always right)"
+        sizer.observe(cut, [1], overhead_s=0.0)   # the source stays right at depth 1
+        fast = single == single_faster
+        now[0] += 1.0 if fast else 3.0            # both commit 2 tokens; one arm takes three times as long
+        context += 2
+    assert (single_steps > 40) if single_faster else (single_steps < 20)
+    assert sizer.root_pays(0, "s", context, forward_s=0.001, tree=bush) is not None   # beside free nodes: no arm
+    assert sizer._single is None
+
+
 def test_one_slow_verification_does_not_lock_a_tree_size_out_for_good() -> None:
     """A 2-token tree once verified ten times slower than its curve (a first use of a shape, a busy second)
     makes such trees too dear for a while; plain steps at the curve's speed bring the class back, so the

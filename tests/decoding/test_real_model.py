@@ -156,3 +156,25 @@ def test_the_shipped_eagle_head_drafts_and_greedy_equals_hf(loaded: Any, referen
     assert out.stats.num_accepted_tokens > 0, "a trained head's drafts are right some of the time"
     head_source = "adaeagle" if method == "adaeagle" else "eagle"   # adaeagle's chain carries its own tag
     assert out.stats.drafted_by_source.get(head_source, 0) > 0, f"{method} drafted with the head"
+
+
+@needs_data
+def test_eagle_with_both_sizing_arms_greedy_equals_hf(loaded: Any, references: dict[str, Any]) -> None:
+    """`eagle` under cost sizing: blocks of the sizer's trees and blocks of one head node a step (here two steps a
+    block, so both arms run within one answer) give HF's tokens."""
+    from rasd.decoding.eagle import head_path
+
+    if not head_path(loaded.name).exists():
+        pytest.skip("no EAGLE head for the embedded model")
+    category = next(iter(references))
+    prompt, ref = references[category]
+    decoder = build_decoder(loaded, "eagle")
+    assert decoder.sizer.single_arm is not None, "eagle's cost sizer measures the one-node arm by default"
+    decoder.sizer.use_single_node_arm(block=2)
+    out = decoder.generate(prompt, MAX_NEW, eos_token_ids={EOS})
+    assert_greedy_equal(loaded.model, prompt, out.token_ids, ref, label=f"eagle, both arms, {category}")
+    choices = decoder.sizer.single_arm.choices
+    assert min(choices.values()) >= 2, f"both arms ran: {choices}"
+    assert build_decoder(loaded, "eagle", single_node=False).sizer.single_arm is None
+    with pytest.raises(ValueError, match="one-node arm"):
+        build_decoder(loaded, "pld", single_node=True)

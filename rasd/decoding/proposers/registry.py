@@ -75,6 +75,9 @@ class MethodSpec:
     speculates: bool = True           # False: plain decoding (a tree of the root alone)
     remote_draft: bool = False        # its model draft may run in a DraftWorker actor (`draft_proposer=`)
     configure: Callable[[DecoderSetup], None] | None = None   # cost-sizing options set by build_decoder
+    # with cost sizing, measured speed picks per block between the sizer's trees and one draft node a step
+    # (`CostAwareSizer.use_single_node_arm`; option `single_node=off` turns it off)
+    single_node_arm: bool = False
 
     def uses_self_draft(self, draft_model: str | None) -> bool:
         """Whether this method, given `--draft-model draft_model`, drafts with the target's exit layer."""
@@ -309,7 +312,7 @@ _SPECS = (
                configure=_configure_rasd, remote_draft=True),
     MethodSpec("suffix", "SuffixDecoding: drafts from earlier responses", _build_suffix, uses_history=True),
     MethodSpec("eagle", "EAGLE-2: dynamic draft trees from the target's trained feature-level head",
-               _build_eagle, draft=HEAD, gate_block=8, configure=_configure_head),
+               _build_eagle, draft=HEAD, gate_block=8, configure=_configure_head, single_node_arm=True),
     MethodSpec("eesd", "EESD: the target's first layers + a trained exit layer, Thompson-sampled length",
                _build_eesd, draft=SELF_DRAFT, gate_block=8, configure=_configure_self_draft),
     MethodSpec("adaeagle", "AdaEAGLE: a trained predictor of the draft length (LDLP) over the EAGLE head",

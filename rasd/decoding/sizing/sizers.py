@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rasd.decoding.sizing.cost import CostCurve
+from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.tree import DraftTree
 
 Key = tuple[str, int, int, int, int]
@@ -382,6 +383,11 @@ class CostAwareSizer(SizerDefaults):
         # Each refused step keeps this share of what was learnt about the refused source (`forget`): about 45
         # refused steps take a rate learnt at 10% back to where the head is tried again.
         self.refused_keep = 0.95
+        # A model drafter alone (`eagle`) may also be sized by measurement (`use_single_node_arm`): per block of
+        # steps a two-armed bandit on committed tokens per second (`DraftGate`: its DRAFT arm = this sizer's own
+        # tree, PLAIN = the drafter's likeliest depth-1 node alone, every step). `_single`: this step's source.
+        self.single_arm: DraftGate | None = None
+        self._single: str | None = None
 
     def latency(self, curve: CostCurve, n_tokens: int) -> float:
         """The measured curve's latency, scaled by what verifying trees of this size class really took."""
@@ -396,14 +402,26 @@ class CostAwareSizer(SizerDefaults):
         """One plain step's measured latency at this context (memoised per bucket by `curve_for`)."""
         return self.curve_for(context_len).latency(1)
 
+    def use_single_node_arm(self, block: int = 8) -> None:
+        """Let measured speed choose, block by block, between this sizer's trees and one drafter node a step.
+
+        Why: on a 2-core CPU (a 2-token verification ≈ 1.15x a plain step, a head layer ≈ 7%) one EAGLE-head node
+        every step beat this sizer's own trees in five of five interleaved Spec-Bench runs (1.19-1.29x `ar`
+        against 1.11-1.23x): its estimates were calibrated, but its second head layers, often cut away, cost
+        ≈ 3 ms a step. On a flat GPU curve the trees are nearly free and win. A setting per machine is what a
+        user should not have to know; tokens per second measured on the host decide instead."""
+        self.single_arm = DraftGate(block=block)
+
     def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
         """The prefix-closed subtree of the best size (possibly just the root)."""
         curve = self._curve = self.curve_for(context_len)
         if tree.num_draft_tokens == 0:   # nothing drafted: no probe to verify (nor to hold exploration back)
-            self.last_choice, self._probe_source = (0, 0), None
+            self.last_choice, self._probe_source, self._single = (0, 0), None, None
             return tree
         probs = self.estimator.path_probs(tree)
         sampled, ranked = rank_nodes(tree, probs)
+        if self._single is not None:
+            return self._cut_single(tree, sampled)
         limit = min(len(ranked), max(self.budget(context_len) - len(sampled), 0))
         main = main_line(tree)
         gain = 1.0 + sum(self.estimator.calibrated([probs[i] for i in sampled], mains=[main[i] for i in sampled]))
@@ -428,6 +446,16 @@ class CostAwareSizer(SizerDefaults):
         self.last_choice = (tree.num_draft_tokens, len(keep))
         return tree.subtree(keep)
 
+    def _cut_single(self, tree: DraftTree, sampled: list[int]) -> DraftTree:
+        """The one-node arm's cut: the drafter's own top depth-1 child, by its score (a chain drawn under
+        sampling: as drawn)."""
+        source, self._single = self._single, None
+        kids = [i for i in range(1, len(tree)) if tree.parents[i] == 0 and tree.sources[i] == source]
+        child = max(kids, key=lambda i: tree.scores[i], default=None)
+        keep = sampled or ([] if child is None else [child])
+        self.last_choice = (tree.num_draft_tokens, len(keep))
+        return tree.subtree(keep)
+
     def grow_pays(self, tree: DraftTree, frontier: list[int], context_len: int, forward_s: float) -> bool:
         """Whether one more draft forward (`forward_s`) to give the `frontier` nodes children can pay.
 
@@ -436,6 +464,8 @@ class CostAwareSizer(SizerDefaults):
         made `eagle` slower than `ar` (draft 14 ms + verify 56 ms a step, against 42 ms for a plain step).
         The rule itself is `GrowRule.pays`, on this step's estimates and costs.
         """
+        if self._single is not None:   # the one-node arm: the root's children only
+            return False
         return self.grow_rule(context_len, len(tree) - 1 + len(frontier)).pays(tree, frontier, forward_s)
 
     def root_pays(self, root_token: int, source: str, context_len: int, forward_s: float,
@@ -461,6 +491,10 @@ class CostAwareSizer(SizerDefaults):
         step, while the cut then dropped its nodes, so no evidence ever said otherwise (`rasd` drafted 3.5 ms
         a step, `pld` was faster).
         """
+        self._single = None
+        if self.single_arm is not None and tree is None and not self.single_arm.choose(context_len):
+            self._single = source   # this block measures one node a step: draft, and `cut` keeps one
+            return True
         root = tree if tree is not None else DraftTree.root_only(root_token)
         if self.grow_rule(context_len, len(root)).pays(root, [0], forward_s, source=source):
             self._root_refused, self._root_backoff = 0, 1
