@@ -418,10 +418,10 @@ class CostAwareSizer(SizerDefaults):
         if tree.num_draft_tokens == 0:   # nothing drafted: no probe to verify (nor to hold exploration back)
             self.last_choice, self._probe_source, self._single = (0, 0), None, None
             return tree
+        if self._single is not None:   # before p̂: the one-node arm needs no estimate
+            return self._cut_single(tree)
         probs = self.estimator.path_probs(tree)
         sampled, ranked = rank_nodes(tree, probs)
-        if self._single is not None:
-            return self._cut_single(tree, sampled)
         limit = min(len(ranked), max(self.budget(context_len) - len(sampled), 0))
         main = main_line(tree)
         gain = 1.0 + sum(self.estimator.calibrated([probs[i] for i in sampled], mains=[main[i] for i in sampled]))
@@ -446,13 +446,13 @@ class CostAwareSizer(SizerDefaults):
         self.last_choice = (tree.num_draft_tokens, len(keep))
         return tree.subtree(keep)
 
-    def _cut_single(self, tree: DraftTree, sampled: list[int]) -> DraftTree:
+    def _cut_single(self, tree: DraftTree) -> DraftTree:
         """The one-node arm's cut: the drafter's own top depth-1 child, by its score (a chain drawn under
         sampling: as drawn)."""
         source, self._single = self._single, None
         kids = [i for i in range(1, len(tree)) if tree.parents[i] == 0 and tree.sources[i] == source]
         child = max(kids, key=lambda i: tree.scores[i], default=None)
-        keep = sampled or ([] if child is None else [child])
+        keep = sorted(tree.q) or ([] if child is None else [child])   # drawn nodes, as `rank_nodes` keeps them
         self.last_choice = (tree.num_draft_tokens, len(keep))
         return tree.subtree(keep)
 
