@@ -21,7 +21,7 @@ from rasd.decoding.history import ResponseHistory
 from rasd.decoding.kernels import fast_kernels, install
 from rasd.decoding.logits import LogitsProcessors
 from rasd.decoding.proposers import Proposer, RecyclingMatrix
-from rasd.decoding.proposers.registry import DecoderSetup, make_proposer, method_spec
+from rasd.decoding.proposers.registry import METHODS, DecoderSetup, make_proposer, method_spec
 from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
 from rasd.decoding.sizing.cost import context_bucket, load_or_measure
 from rasd.decoding.sizing.gate import DraftGate
@@ -417,9 +417,10 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
         if spec.gate_block is None:
             raise ValueError(f"method {method!r} runs no draft model: it has no draft gate to turn on")
         proposer_options["gate"] = DraftGate(block=spec.gate_block)
-    single_node = proposer_options.pop("single_node", spec.single_node_arm)
-    if single_node is True and not spec.single_node_arm:
-        raise ValueError(f"method {method!r} has no one-node arm to turn on (only `eagle` does)")
+    single_node = proposer_options.pop("single_node", bool(spec.single_node_arm))
+    if single_node is True and spec.single_node_arm is None:
+        armed = ", ".join(f"`{m}`" for m, other in METHODS.items() if other.single_node_arm is not None)
+        raise ValueError(f"method {method!r} has no one-node arm to turn on (only {armed} have one)")
     sizer_options: dict[str, Any] = {}
     if sizing == "ldlp":
         sizer_options = {"target": target.model, "model_name": target.name, "drafter": drafter,
@@ -433,7 +434,7 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
     if hasattr(proposer, "use_sizer"):   # a model drafter stops growing where the sizer says a layer cannot pay
         proposer.use_sizer(sizer)
     if single_node and isinstance(sizer, CostAwareSizer):
-        sizer.use_single_node_arm(spec.gate_block or 8)
+        sizer.use_single_node_arm()
     return SpeculativeDecoder(target.model, proposer, tokenizer=target.tokenizer, sizer=sizer,
                               max_context=target.max_context, method=method, step=getattr(target, "step", None))
 

@@ -646,6 +646,34 @@ def test_measured_speed_picks_between_the_sizers_trees_and_one_drafter_node_a_st
     assert sizer._single is None
 
 
+def test_the_one_node_arm_is_asked_where_no_free_source_has_candidates() -> None:
+    """`rasd` passes its free candidates to `root_pays`: where they are none (nothing copied), the one-node arm
+    decides as for `eagle`; beside copied nodes it is not asked, and the step it skipped is credited to no arm."""
+    now = [0.0]
+    sizer = trained_sizer(flat, accept=True)
+    sizer.use_single_node_arm(block=1)
+    assert sizer.single_arm is not None
+    sizer.single_arm.clock = lambda: now[0]
+    empty, copied = DraftTree.root_only(0), chain(2, "context")
+    arms = []
+    for step in range(4):            # blocks of 1: the tree arm, then the one-node arm, then their leader
+        assert sizer.root_pays(0, "s", 100 + 2 * step, forward_s=0.001, tree=empty)
+        arms.append(sizer.single_step)
+        sizer.cut(chain(3), 100 + 2 * step)
+        sizer.observe(chain(1), [1], overhead_s=0.0)
+        now[0] += 1.0
+    assert arms[:2] == [None, "s"], "an empty free tree is asked like no free tree"
+    pulls = sum(sizer.single_arm.choices.values())
+    sizer.root_pays(0, "s", 108, forward_s=0.001, tree=copied)
+    assert sizer.single_step is None and sum(sizer.single_arm.choices.values()) == pulls, "beside copies: not asked"
+    sizer.cut(chain(3), 108)
+    sizer.observe(chain(1), [1], overhead_s=0.0)
+    credited = {arm: stats.pulls for arm, stats in sizer.single_arm.buckets[0].arms.items()}
+    sizer.root_pays(0, "s", 112, forward_s=0.001, tree=empty)
+    assert {arm: stats.pulls for arm, stats in sizer.single_arm.buckets[0].arms.items()} == credited, \
+        "the step before the copied one is not credited with it"
+
+
 def test_one_slow_verification_does_not_lock_a_tree_size_out_for_good() -> None:
     """A 2-token tree once verified ten times slower than its curve (a first use of a shape, a busy second)
     makes such trees too dear for a while; plain steps at the curve's speed bring the class back, so the

@@ -79,6 +79,22 @@ def test_reset_does_not_credit_the_gap_between_requests() -> None:
     assert gate.buckets[0].arms[DRAFT].rate == 2.0
 
 
+def test_with_step_numbers_only_the_step_just_before_is_credited() -> None:
+    """A caller that asks the gate on some steps only (`rasd` asks its one-node arm where nothing was copied)
+    numbers its steps: time and tokens of unasked steps in between go to no arm; the next pair is credited."""
+    clock = Clock()
+    gate = DraftGate(block=4, clock=clock)
+    gate.choose(10, 0, step=0)
+    clock.now += 1.0           # step 0: 2 tokens in 1 s
+    clock.now += 2.0           # steps 1-2, of no arm: 10 tokens in 2 s
+    gate.choose(22, 0, step=3)
+    assert gate.buckets[0].arms[DRAFT].pulls == 0, "steps 0-2 must not be credited to step 0's arm"
+    clock.now += 1.0
+    gate.choose(24, 0, step=4)
+    assert gate.buckets[0].arms[DRAFT].pulls == 1
+    assert gate.buckets[0].arms[DRAFT].rate == 2.0
+
+
 def test_a_choice_holds_for_a_block_of_the_buckets_steps() -> None:
     clock = Clock()
     gate = DraftGate(block=4, clock=clock)
@@ -105,7 +121,7 @@ class Fixed(DraftGate):
         super().__init__()
         self.answer = answer
 
-    def choose(self, context_len: int, bucket: int = 0) -> bool:
+    def choose(self, context_len: int, bucket: int = 0, step: int | None = None) -> bool:
         self.choices[self.answer] += 1
         return self.answer
 

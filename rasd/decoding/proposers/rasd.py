@@ -85,6 +85,7 @@ class RasdProposer:
         # already has the continuation, or the draft is rarely right, its forwards cost more than the tokens
         # they add (measured; `rasd.decoding.sizing.gate`). The engine gives one with cost sizing.
         self.gate = gate if self.draft is not None else None
+        self._sizer: Any = None   # the engine's sizer (`use_sizer`)
 
     @staticmethod
     def _make_draft(draft_model: torch.nn.Module | None, draft_proposer: Any,
@@ -127,7 +128,9 @@ class RasdProposer:
         self.draft.observe_hidden(start, hidden)
 
     def use_sizer(self, sizer: Any) -> None:
-        """The draft stops growing where the sizer says another layer cannot pay (`DraftModelProposer`)."""
+        """The draft stops growing where the sizer says another layer cannot pay (`DraftModelProposer`); the
+        sizer's one-node arm, when it has one, decides the steps where nothing was copied (`_gate_lets_draft`)."""
+        self._sizer = sizer
         if hasattr(self.draft, "use_sizer"):
             self.draft.use_sizer(sizer)
 
@@ -154,10 +157,10 @@ class RasdProposer:
         retrieved = merge_trees(context[-1], [t for t in trees if t.sources[1] != CONTEXT], max_nodes)
         earlier = self._history_trees(context, max_nodes)
         trees = trees + earlier   # a history match counts as a match (gate, recycling fallback, bucket)
-        use_draft = self.draft is not None and (self.gate is None or self.gate.choose(len(context),
-                                                                                     self._gate_bucket(trees)))
+        use_draft = self.draft is not None and self._gate_lets_draft(len(context), self._gate_bucket(trees))
         if use_draft and hasattr(self.draft, "gate_open"):   # a local draft: can its first forward pay, beside
             use_draft = self.draft.gate_open(context, self._free_nodes(context, trees, max_nodes))   # the rest?
+        single = use_draft and getattr(self._sizer, "single_step", None) is not None   # one head node alone
         probs = (self.probs_fn(context) if self.probs_fn is not None and retrieved.num_draft_tokens
                  and (use_draft or not self._probs_from_draft) else None)
         kept, pruned = prune(retrieved, probs, self.prune_config)
@@ -169,7 +172,8 @@ class RasdProposer:
         # chunks are in the prompt and small models repeat their own phrasing, so it is the best-accepted
         # source (measured on LongBench QA rows); retrieval branches, pruned, fill the remaining budget.
         # Recycled guesses come last: they exist at every step, but are less often right than a long match.
-        recycled = [self.recycling.propose(context, max_nodes)] if self._recycle(context, trees) else []
+        recycled = ([self.recycling.propose(context, max_nodes)] if not single and self._recycle(context, trees)
+                    else [])
         # the longer of the two copying matches first (the request's own text on a tie), as retrieval orders its
         # sources: a long history match is an earlier answer being repeated, a 1-token one is noise
         copying = sorted((*own, *earlier), key=lambda t: -t.bucket)
@@ -178,6 +182,16 @@ class RasdProposer:
         tree.bucket = match_class(max((t.bucket for t in trees), default=0))
         tree.pruned = pruned
         return tree
+
+    def _gate_lets_draft(self, context_len: int, bucket: int) -> bool:
+        """The draft gate's arm for this step (True without a gate). Where nothing free matched (bucket 0) and
+        the sizer has its one-node arm, that arm decides instead (`CostAwareSizer.root_pays`): there `rasd` is
+        the head against the head with recycling, as `eagle` is the head against one head node a step."""
+        if self.gate is None:
+            return True
+        if bucket == 0 and hasattr(self.draft, "gate_open") and getattr(self._sizer, "single_arm", None) is not None:
+            return True
+        return self.gate.choose(context_len, bucket, step=getattr(self._sizer, "steps", None))
 
     def _free_nodes(self, context: list[int], trees: list[DraftTree], max_nodes: int) -> DraftTree:
         """The candidates this step has without the draft (the copying sources, retrieval unpruned), one tree."""

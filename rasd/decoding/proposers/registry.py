@@ -76,8 +76,9 @@ class MethodSpec:
     remote_draft: bool = False        # its model draft may run in a DraftWorker actor (`draft_proposer=`)
     configure: Callable[[DecoderSetup], None] | None = None   # cost-sizing options set by build_decoder
     # with cost sizing, measured speed picks per block between the sizer's trees and one draft node a step
-    # (`CostAwareSizer.use_single_node_arm`; option `single_node=off` turns it off)
-    single_node_arm: bool = False
+    # (`CostAwareSizer.use_single_node_arm`): True = on by default (`single_node=off` turns it off), False = off
+    # by default (`single_node=on` turns it on), None = the method has no such arm
+    single_node_arm: bool | None = None
 
     def uses_self_draft(self, draft_model: str | None) -> bool:
         """Whether this method, given `--draft-model draft_model`, drafts with the target's exit layer."""
@@ -309,7 +310,7 @@ _SPECS = (
                lambda i: RasdProposer(i.datastores, draft_model=i.draft_model, recycling=i.recycling,
                                       history=_history(i), **i.options),
                draft=OPTIONAL_DRAFT, uses_index=True, uses_recycling=True, uses_history=True, gate_block=4,
-               configure=_configure_rasd, remote_draft=True),
+               configure=_configure_rasd, remote_draft=True, single_node_arm=False),
     MethodSpec("suffix", "SuffixDecoding: drafts from earlier responses", _build_suffix, uses_history=True),
     MethodSpec("eagle", "EAGLE-2: dynamic draft trees from the target's trained feature-level head",
                _build_eagle, draft=HEAD, gate_block=8, configure=_configure_head, single_node_arm=True),

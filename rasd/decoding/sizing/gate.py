@@ -69,12 +69,13 @@ class Bucket:
 
 @dataclass
 class Pending:
-    """The step in progress: its arm, bucket, committed length and start time."""
+    """The step in progress: its arm, bucket, committed length, start time and the caller's step number."""
 
     arm: bool
     bucket: int
     length: int
     start: float
+    step: int | None = None
 
 
 class DraftGate:
@@ -92,21 +93,27 @@ class DraftGate:
         """A new request: the time since the last step of the previous one is not a step."""
         self.pending = None
 
-    def choose(self, context_len: int, bucket: int = 0) -> bool:
-        """Credit the previous step to its arm, then say whether to run the drafter this step (True = draft)."""
+    def choose(self, context_len: int, bucket: int = 0, step: int | None = None) -> bool:
+        """Credit the previous step to its arm, then say whether to run the drafter this step (True = draft).
+
+        `step`: the caller's count of decoding steps, for a caller that does not ask every step (`rasd` asks its
+        one-node arm only where nothing free matched): the previous step is credited only when it was the step
+        just before, since the time and tokens in between belong to steps of no arm."""
         now = self.clock()
-        self._record(context_len, now)
+        self._record(context_len, now, step)
         state = self.buckets.setdefault(bucket, Bucket())
         if state.steps_left <= 0:
             self._next_block(state)
         state.steps_left -= 1
-        self.pending = Pending(state.arm, bucket, context_len, now)
+        self.pending = Pending(state.arm, bucket, context_len, now, step)
         self.choices[state.arm] += 1
         return state.arm
 
-    def _record(self, context_len: int, now: float) -> None:
+    def _record(self, context_len: int, now: float, number: int | None = None) -> None:
         """Credit the tokens committed since the pending step, and its time, to its bucket and arm."""
         step, self.pending = self.pending, None
+        if step is not None and number is not None and step.step is not None and number != step.step + 1:
+            return   # steps of no arm ran in between
         if step is not None and context_len > step.length:
             self.buckets[step.bucket].arms[step.arm].add(context_len - step.length, now - step.start, self.decay)
 

@@ -388,6 +388,7 @@ class CostAwareSizer(SizerDefaults):
         # tree, PLAIN = the drafter's likeliest depth-1 node alone, every step). `_single`: this step's source.
         self.single_arm: DraftGate | None = None
         self._single: str | None = None
+        self.steps = 0   # steps observed: the one-node arm credits a step only to the one just before it
 
     def latency(self, curve: CostCurve, n_tokens: int) -> float:
         """The measured curve's latency, scaled by what verifying trees of this size class really took."""
@@ -409,8 +410,17 @@ class CostAwareSizer(SizerDefaults):
         every step beat this sizer's own trees in five of five interleaved Spec-Bench runs (1.19-1.29x `ar`
         against 1.11-1.23x): its estimates were calibrated, but its second head layers, often cut away, cost
         ≈ 3 ms a step. On a flat GPU curve the trees are nearly free and win. A setting per machine is what a
-        user should not have to know; tokens per second measured on the host decide instead."""
+        user should not have to know; tokens per second measured on the host decide instead.
+
+        Asked only on steps where no free source has candidates (`root_pays` without free nodes): for `eagle`
+        every step; for `rasd:single_node=on` the steps where nothing was copied, where it is the head against the
+        head and recycling fused (off by default for `rasd`: not faster in its first A/B, docs/lab-notes/eagle.md)."""
         self.single_arm = DraftGate(block=block)
+
+    @property
+    def single_step(self) -> str | None:
+        """The source whose likeliest depth-1 node alone this step verifies (the one-node arm), else None."""
+        return self._single
 
     def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
         """The prefix-closed subtree of the best size (possibly just the root)."""
@@ -492,7 +502,9 @@ class CostAwareSizer(SizerDefaults):
         a step, `pld` was faster).
         """
         self._single = None
-        if self.single_arm is not None and tree is None and not self.single_arm.choose(context_len):
+        nothing_free = tree is None or tree.num_draft_tokens == 0
+        if (self.single_arm is not None and nothing_free
+                and not self.single_arm.choose(context_len, step=self.steps)):
             self._single = source   # this block measures one node a step: draft, and `cut` keeps one
             return True
         root = tree if tree is not None else DraftTree.root_only(root_token)
@@ -523,6 +535,7 @@ class CostAwareSizer(SizerDefaults):
     def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
                 verify_s: float | None = None) -> None:
         """Update acceptance posteriors, the per-step overhead and the observed latency of this size."""
+        self.steps += 1
         self.estimator.update(tree, accepted)
         if self._probing is not None:   # the probe's verdict sets the interval to the next one
             hit = any(tree.parents[i] == 0 and tree.sources[i] == self._probing for i in accepted)
