@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--task", default=None, help="docqa: LongBench QA rows with their retrieval scope")
     parser.add_argument("--limit", type=int, default=3)
+    parser.add_argument("--category", action="append", default=None, help="keep only this category; repeatable")
     parser.add_argument("--methods", default="pld,rasd")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
@@ -61,10 +62,11 @@ def _prompts(args: argparse.Namespace, target: Any) -> list[Any]:
     if args.task == "docqa":
         from rasd.eval.bench_docqa import prepare_docqa_prompts
 
-        return prepare_docqa_prompts(args.dataset, None, args.limit, target, args.max_new_tokens, 4, lambda _: None)
+        return prepare_docqa_prompts(args.dataset, args.category, args.limit, target, args.max_new_tokens, 4,
+                                     lambda _: None)
     from rasd.eval.datasets import load_items, prepare_prompts
 
-    return prepare_prompts(load_items(args.dataset, None, args.limit), target.tokenizer, 2048)
+    return prepare_prompts(load_items(args.dataset, args.category, args.limit), target.tokenizer, 2048)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,22 @@ def test_gate_follows_a_change_of_regime() -> None:
     assert gate.choices[DRAFT] - before > 150                    # the draft became worth it: the gate follows
 
 
+def test_the_faster_arm_wins_while_the_text_moves_both_arms_more_than_they_differ() -> None:
+    """Prompts change every 100 steps and with them both arms' speed (x1 / x1.8); the plain arm is always 10%
+    faster. Rates kept per arm compared the leader's recent prompt with the other arm's stale one; blocks
+    compared with their neighbours see the same prompt."""
+    clock = Clock()
+    gate = DraftGate(block=8, clock=clock)
+    length = 10
+    for i in range(3000):
+        easy = 1.8 if (i // 100) % 2 else 1.0
+        use = gate.choose(length, 0)
+        clock.now += (1.1 if use else 1.0) / easy
+        length += 1
+    assert gate.share() < 0.25
+    assert gate.buckets[0].best() == PLAIN
+
+
 def test_buckets_are_learnt_separately() -> None:
     clock = Clock()
     gate = DraftGate(block=1, explore_every=4, max_backoff=8, clock=clock)

@@ -10,12 +10,18 @@ probabilities needs them calibrated; measuring the outcome does not.
 `DraftGate` measures it. Every step is credited to its arm, "draft" or "plain" (no model draft: the other
 sources, or a plain step), in a context bucket the caller names (the retrieval match class for `rasd`):
 the tokens it committed and its wall time, observed at the next `choose` (so it covers the drafts, the
-verification and everything else the step did). Per bucket and arm the gate keeps decayed sums of both
-(tokens/s = the ratio of the sums, the right mean for throughput). A bucket's choice holds for `block` of
-its steps, then the better arm is taken again; the other arm gets a block after `explore_every` blocks, the
-interval doubling while it keeps losing (at most `max_backoff` times): a drafter that never pays gets one
-block in thirteen, a bound kept short because the kind of text changes between requests (with a back-off
-of 32 blocks, a switch from coding prompts to translation would go unnoticed for up to 256 steps).
+verification and everything else the step did). A bucket's choice holds for `block` of its steps. The arms
+are compared in pairs of adjacent blocks: each time a block of one arm follows a block of the other, the log
+of their tokens/s ratio is one sample, and the decayed mean of the samples says which arm leads. The first
+blocks alternate; then the leader runs, with a block of the other arm after `explore_every` blocks, the
+interval doubling while the other keeps losing (at most `max_backoff` times): a drafter that never pays gets
+one block in thirteen, a bound kept short because the kind of text changes between requests.
+
+Why pairs: the kind of text moves both arms' rates far more than the arms differ (Spec-Bench on a 2-core
+CPU: 29-50 tokens/s from one prompt to the next, the arms of `eagle`'s one-node choice 5-15% apart). Rates
+kept per arm compared the leader's recent blocks with the other arm's blocks of hundreds of steps before, on
+other text; in one run the gate then kept the arm that was 7% slower on most prompts. Adjacent blocks see the
+same text, and a block of the other arm between two of the leader's gives two samples whose drift cancels.
 Blocks, not single steps: a draft that was idle pays a longer catch-up forward on its first step back
 (measured: 30 ms against 22 ms for the EESD self-draft), and switching every step would pay it every
 time; a block also gives the losing arm enough steps to be measured.
@@ -25,6 +31,7 @@ Output is unaffected: the gate only decides which candidates are proposed; verif
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,20 +58,39 @@ class ArmStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+WARMUP, LEAD, EXPLORE, CONFIRM = "warmup", "lead", "explore", "confirm"   # a bucket's phases
+
+
 @dataclass
 class Bucket:
-    """Both arms of one context bucket, its current choice and its exploration schedule."""
+    """Both arms of one context bucket: rates (statistics), the paired comparison that decides, the schedule."""
 
     arms: dict[bool, ArmStats] = field(default_factory=lambda: {DRAFT: ArmStats(), PLAIN: ArmStats()})
     arm: bool = DRAFT          # the current block's arm
     steps_left: int = 0        # steps left in the current block
-    exploring: bool = False    # the current block pulls the losing arm
-    since_other: int = 0       # blocks since the losing arm was last pulled
-    backoff: int = 1           # the losing arm is pulled every explore_every * backoff blocks
-    leader: bool = DRAFT       # the better arm when the current exploration began
+    block: ArmStats = field(default_factory=ArmStats)   # the current block's credited steps (undecayed)
+    last: tuple[bool, float] | None = None   # the arm and tokens/s of the latest block with credited steps
+    lead: float = 0.0          # decayed sum of the paired samples log(draft rate / plain rate)
+    samples: int = 0
+    phase: str = WARMUP        # alternating blocks / the leader / one block of the other / the leader after it
+    since_other: int = 0       # leader blocks since the other arm was last pulled
+    backoff: int = 1           # the other arm is pulled every explore_every * backoff blocks
+    leader: bool = DRAFT
 
     def best(self) -> bool:
-        return DRAFT if self.arms[DRAFT].rate >= self.arms[PLAIN].rate else PLAIN
+        """The arm the paired samples favour (draft on a tie)."""
+        return DRAFT if self.lead >= 0 else PLAIN
+
+    def pair(self, decay: float) -> None:
+        """Close the block just run: one sample against the block before it when that was the other arm's."""
+        rate = self.block.rate
+        if rate > 0:
+            if self.last is not None and self.last[0] != self.arm:
+                sample = math.log(rate / self.last[1])
+                self.lead = self.lead * decay + (sample if self.arm == DRAFT else -sample)
+                self.samples += 1
+            self.last = (self.arm, rate)
+        self.block = ArmStats()
 
 
 @dataclass
@@ -82,8 +108,11 @@ class DraftGate:
     """Draft or not, per context bucket, by measured tokens per second (see the module docstring)."""
 
     def __init__(self, block: int = 8, explore_every: int = 3, max_backoff: int = 4, decay: float = 0.95,
-                 clock: Callable[[], float] = time.perf_counter):
+                 pair_decay: float = 0.8, warmup: int = 3, clock: Callable[[], float] = time.perf_counter):
+        """`decay`: per step, of the arms' rates (statistics); `pair_decay`: per sample, of the paired
+        comparison that decides; `warmup`: samples taken by alternating blocks before the leader runs."""
         self.block, self.explore_every, self.max_backoff, self.decay = block, explore_every, max_backoff, decay
+        self.pair_decay, self.warmup = pair_decay, warmup
         self.clock = clock
         self.buckets: dict[int, Bucket] = {}
         self.pending: Pending | None = None
@@ -115,22 +144,36 @@ class DraftGate:
         if step is not None and number is not None and step.step is not None and number != step.step + 1:
             return   # steps of no arm ran in between
         if step is not None and context_len > step.length:
-            self.buckets[step.bucket].arms[step.arm].add(context_len - step.length, now - step.start, self.decay)
+            state = self.buckets[step.bucket]
+            state.arms[step.arm].add(context_len - step.length, now - step.start, self.decay)
+            if step.arm == state.arm:
+                state.block.add(context_len - step.length, now - step.start, 1.0)
 
     def _next_block(self, state: Bucket) -> None:
-        """Each arm's first block, then the leader, with a block of the other arm now and then."""
-        if state.exploring:   # did the exploration change the leader? then explore eagerly again
-            state.backoff = 1 if state.best() != state.leader else min(2 * state.backoff, self.max_backoff)
-        state.steps_left, state.exploring = self.block, False
-        for arm in (DRAFT, PLAIN):
-            if state.arms[arm].pulls < self.block:
-                state.arm = arm
+        """Close the block that ended, then pick the next one's arm by the bucket's phase."""
+        started = state.arms[DRAFT].pulls + state.arms[PLAIN].pulls > 0 or state.phase != WARMUP
+        state.pair(self.pair_decay)
+        state.steps_left = self.block
+        if state.phase == WARMUP:
+            if state.samples < self.warmup:
+                state.arm = (not state.arm) if started else DRAFT
                 return
-        state.arm = state.leader = state.best()
-        state.since_other += 1
-        if state.since_other >= self.explore_every * state.backoff:
-            state.since_other, state.exploring = 0, True
-            state.arm = not state.arm
+            state.phase, state.leader = LEAD, state.best()
+        elif state.phase == EXPLORE:     # back to the leader: a second sample, drift cancelled
+            state.phase = CONFIRM
+            state.arm = state.leader
+            return
+        elif state.phase == CONFIRM:     # explore eagerly again when the other arm took the lead
+            changed = state.best() != state.leader
+            state.backoff = 1 if changed else min(2 * state.backoff, self.max_backoff)
+            state.phase, state.leader = LEAD, state.best()
+        else:
+            state.since_other += 1
+            if state.since_other >= self.explore_every * state.backoff:
+                state.since_other, state.phase = 0, EXPLORE
+                state.arm = not state.leader
+                return
+        state.arm = state.leader
 
     def share(self) -> float:
         """Fraction of steps that ran the drafter so far."""
