@@ -12,7 +12,7 @@ sources, or a plain step), in a context bucket the caller names (the retrieval m
 the tokens it committed and its wall time, observed at the next `choose` (so it covers the drafts, the
 verification and everything else the step did). A bucket's choice holds for `block` of its steps. The arms
 are compared in pairs of adjacent blocks: each time a block of one arm follows a block of the other, the log
-of their tokens/s ratio is one sample, and the decayed mean of the samples says which arm leads. The first
+of their tokens/s ratio is one sample, and the sign of the samples' decayed sum says which arm leads. The first
 blocks alternate; then the leader runs, with a block of the other arm after `explore_every` blocks, the
 interval doubling while the other keeps losing (at most `max_backoff` times): a drafter that never pays gets
 one block in thirteen, a bound kept short because the kind of text changes between requests.
@@ -151,7 +151,7 @@ class DraftGate:
 
     def _next_block(self, state: Bucket) -> None:
         """Close the block that ended, then pick the next one's arm by the bucket's phase."""
-        started = state.arms[DRAFT].pulls + state.arms[PLAIN].pulls > 0 or state.phase != WARMUP
+        started = state.arms[DRAFT].pulls + state.arms[PLAIN].pulls > 0   # read in the warm-up only
         state.pair(self.pair_decay)
         state.steps_left = self.block
         if state.phase == WARMUP:
