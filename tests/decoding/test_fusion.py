@@ -317,3 +317,25 @@ def test_a_draft_model_leaves_room_for_the_requests_own_text() -> None:
     tree = proposer.propose(context, 8)
     assert "context" in tree.sources and "draft" in tree.sources, tree.sources
     assert len(tree) <= 9
+
+
+def test_with_a_drafter_rasd_copies_no_one_token_match_of_the_requests_own_text() -> None:
+    """A context whose last token occurred before, but not its last two: `pld` (and `rasd` without a drafter)
+    copy after the one-token match; `rasd` with a drafter leaves that step to the drafter (its one-token bushes
+    were rarely right and took the step from the head), unless asked otherwise (`context_min_ngram`)."""
+    model = tiny_llama(0)
+    head = [5, 6, 7, 8, 9, 10, 11, 12]
+    context = head + [30, 31, 9]            # 9 occurred before (followed by 10, 11, ...); (31, 9) never did
+    draft_options = {"top_k": 2, "width": 4, "min_prob": 0.0}
+    for proposer, copies in ((make_proposer("pld"), True), (make_proposer("rasd"), True),
+                             (make_proposer("rasd", model, draft_options=draft_options), False),
+                             (make_proposer("rasd", model, draft_options=draft_options, context_min_ngram=1), True)):
+        proposer.start(context, SamplingParams())
+        tree = proposer.propose(context, 8)
+        assert ("context" in tree.sources) is copies, (proposer.name, tree.sources)
+        if not copies:
+            assert "draft" in tree.sources
+    longer = head + [30, 8, 9]              # (8, 9) occurred before: a two-token match is copied with a drafter too
+    proposer = make_proposer("rasd", model, draft_options=draft_options)
+    proposer.start(longer, SamplingParams())
+    assert "context" in proposer.propose(longer, 8).sources
