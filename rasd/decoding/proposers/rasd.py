@@ -49,10 +49,8 @@ from rasd.decoding.verify import Verdict
 
 # The shortest match of the request's own text that `rasd` copies from when it has a drafter (without one: 1, as
 # `pld`). Why: a one-token match offers a bush of continuations that are rarely right, and it takes the step from
-# the drafter (the copying sources get their budget first, and the draft gate decides per match class). In
-# interleaved A/Bs on a 2-core Xeon with the EAGLE head (docs/results/rasd_min_ngram_ab_2026-12-05.txt), 2
-# against 1: Spec-Bench prompts 1-2 of every category +4.4% tokens/s over all rows (median row +5.8%), prompts 3-4
-# +4.4% (+13%), LongBench docqa 10 rows per category +4.5%; the same tokens a step from 20-25% smaller trees.
+# the drafter (the copying sources get their budget first, and the draft gate decides per match class); measured
+# faster with the EAGLE head (docs/methods.md, "Which sources `rasd` uses").
 CONTEXT_MIN_NGRAM_WITH_DRAFT = 2
 
 if TYPE_CHECKING:   # the index package may pull in heavy deps (FAISS); import it lazily

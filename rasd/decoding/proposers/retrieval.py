@@ -21,8 +21,8 @@ documents (24k tokens), request scoped to its own, 64 greedy tokens, cost-aware 
 (10.8), N8 L4 1.41 (10.2). More continuations add rarely-right branches, longer ones rarely-reached depth;
 fewer or shorter ones lose accepted tokens. The context source keeps `pld`'s 10-token continuations
 (`context_length`): with 8, `rasd` capped long copies from the prompt one token short of `pld` (LongBench
-docqa: 33 steps accepted 8 tokens where `pld` accepted 9 in 25), so `rasd` without a drafter and its extra
-sources is `pld` (with a drafter `rasd` copies from matches of 2+ tokens only: `proposers.rasd`).
+docqa: 33 steps accepted 8 tokens where `pld` accepted 9 in 25), so `rasd` without its drafter and extra
+sources is `pld` (with a drafter it copies from matches of 2+ tokens only: `proposers.rasd`).
 """
 
 from __future__ import annotations
