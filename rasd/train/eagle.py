@@ -19,6 +19,7 @@ tokens, equal to the target's greedy token: what an EAGLE tree's level d gets ac
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import math
 import sys
@@ -73,7 +74,8 @@ def user_turns(row: dict, turns: tuple[int, ...] = (1,)) -> list[str]:
 
 
 def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path | None, window: int = 32,
-                     batch: int = 128, turns: tuple[int, ...] = (1,)) -> dict[str, Any]:
+                     batch: int = 128, turns: tuple[int, ...] = (1,), gen_dtype: str = "float32",
+                     temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     """The target's greedy answers to each conversation's user turns `turns` (default the first), with their
     features (EAGLE-3's data).
 
@@ -82,6 +84,9 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     (a hook), so no second teacher pass runs: on this CPU generation is the cost (≈ 150 tokens/s at batch
     128), the pass would add half as much again. Cached (`selfgen`) per `batch` prompts, so a run on more
     conversations reuses a smaller run's answers and an interrupted run resumes.
+    `gen_dtype`: answers and features from a copy of the target in this dtype (`rasd.train.answers`: bf16 is
+    several times faster on AMX CPUs and GPUs; its text is its own, not the fp32 target's greedy text).
+    `temperature` > 0: sampled answers (seeded per chunk), more distinct text from the same prompts.
     Returns what `extract_features` does: {"tokens": [list], "feats": [fp16 [n_i, H]], "counts": [vocab]}.
     """
     from rasd.train.common import prompt_windows
@@ -91,25 +96,38 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     eos = sorted(set(target.eos_token_ids or ()))
     vocab = target.model.get_output_embeddings().weight.shape[0]
     out: dict[str, Any] = {"tokens": [], "feats": [], "counts": torch.zeros(vocab, dtype=torch.long)}
+    model = _generation_copy(target.model, gen_dtype)
     for s in tqdm(range(0, len(windows), batch), desc=f"answers with features ({batch} a chunk)", unit="chunk"):
-        part = _answers_chunk(target.model, windows[s: s + batch], gen_tokens, eos, cache)
+        part = _answers_chunk(model, windows[s: s + batch], gen_tokens, eos, cache, temperature, seed + s)
         out["tokens"] += part["tokens"]
         out["feats"] += part["feats"]
         out["counts"] += part["counts"]
     return out
 
 
+def _generation_copy(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """The model itself, or a copy of it in `dtype` (the target is left as it is: held-out data uses it)."""
+    from rasd.decoding.model_loading import resolve_dtype
+
+    wanted = resolve_dtype(dtype)
+    if wanted == next(model.parameters()).dtype:
+        return model
+    return copy.deepcopy(model).to(wanted).eval()
+
+
 def _answers_chunk(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: int, eos: list[int],
-                   cache: Path | None) -> dict[str, Any]:
+                   cache: Path | None, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     """One chunk of `regenerated_data`, read from / written to the cache (written whole, atomically)."""
     from rasd.train.common import generation_key
 
     key = generation_key(model, windows, gen_tokens, eos)
+    if temperature > 0 or next(model.parameters()).dtype != torch.float32:
+        key += "-" + hashlib.sha256(f"{next(model.parameters()).dtype} {temperature} {seed}".encode()).hexdigest()[:8]
     file = cache / f"{key}-features.pt" if cache is not None else None
     data = _read_shard(file, len(windows))
     if data is not None:
         return data
-    data = _generate_with_features(model, windows, gen_tokens, eos)
+    data = _generate_with_features(model, windows, gen_tokens, eos, temperature, seed)
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(data, file.with_name(file.name + ".tmp"))
@@ -118,25 +136,28 @@ def _answers_chunk(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: in
 
 
 @torch.no_grad()
-def _generate_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: int, eos: list[int]
-                            ) -> dict[str, Any]:
-    """Greedy answers [K, P + G'] and the final-norm output of every forward of the generation.
+def _generate_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: int, eos: list[int],
+                            temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """Answers [K, P + G'] and the final-norm output of every forward of the generation: greedy, or sampled at
+    `temperature` (Llama-style models: `rasd.train.answers`, batched on a preallocated cache; others: HF
+    `generate`, greedy only).
 
     The prefill gives the prompt's P features, each step one more: P + G' - 1 in all (the last token is
     never forwarded, so an answer without EOS loses its last token). Greedy-token counts: the next token of
     every answer position, the LM head's argmax over the prompt's features."""
-    collected: list[torch.Tensor] = []
-    handle = final_norm(model).register_forward_hook(lambda _m, _a, out: collected.append(out.half().cpu()))
+    from rasd.train import answers
+
     device = next(model.parameters()).device
-    try:
-        seq = model.generate(windows.to(device), attention_mask=torch.ones_like(windows).to(device),
-                             max_new_tokens=gen_tokens, do_sample=False, eos_token_id=eos or None,
-                             pad_token_id=eos[0] if eos else 0).cpu()
-    finally:
-        handle.remove()
-    feats = torch.cat(collected, dim=1)                                            # [K, P + G' - 1, H]
+    if answers.supports(model):
+        gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+        seq, feats = answers.answers_with_features(model, windows, gen_tokens, temperature, gen, eos)
+    elif temperature > 0:
+        raise ValueError(f"sampled answers need a Llama-style model; {type(model).__name__} is not one")
+    else:
+        seq, feats = _hf_answers(model, windows, gen_tokens, eos)
     p, vocab = windows.shape[1], model.get_output_embeddings().weight.shape[0]
-    prompt_greedy = model.get_output_embeddings()(feats[:, : p - 1].to(device).float()).argmax(-1).cpu()
+    dtype = next(model.parameters()).dtype
+    prompt_greedy = model.get_output_embeddings()(feats[:, : p - 1].to(device, dtype)).argmax(-1).cpu()
     counts = torch.bincount(prompt_greedy.reshape(-1), minlength=vocab)[:vocab]
     tokens, kept = [], []
     for i, row in enumerate(seq.tolist()):
@@ -146,6 +167,21 @@ def _generate_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_t
         kept.append(feats[i, :n].clone())
         counts += torch.bincount(torch.tensor(row[p:n]), minlength=vocab)[:vocab]
     return {"tokens": tokens, "feats": kept, "counts": counts}
+
+
+def _hf_answers(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: int, eos: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF `generate`'s greedy answers [K, P + G'] and its forwards' final-norm outputs [K, P + G' - 1, H]."""
+    collected: list[torch.Tensor] = []
+    handle = final_norm(model).register_forward_hook(lambda _m, _a, out: collected.append(out.half().cpu()))
+    device = next(model.parameters()).device
+    try:
+        seq = model.generate(windows.to(device), attention_mask=torch.ones_like(windows).to(device),
+                             max_new_tokens=gen_tokens, do_sample=False, eos_token_id=eos or None,
+                             pad_token_id=eos[0] if eos else 0).cpu()
+    finally:
+        handle.remove()
+    return seq, torch.cat(collected, dim=1)
 
 
 def sequences_key(sequences: list[list[int]], salt: str = "") -> str:
@@ -476,6 +512,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--turns", default="1",
                    help="with --regenerate: which user turns of each conversation are prompts, 1-based and comma "
                         "separated (`2` continues a head trained on the first turns on prompts it never saw)")
+    p.add_argument("--gen-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="with --regenerate: write the answers with a copy of the target in this dtype (bfloat16: "
+                        "several times faster on AMX CPUs and GPUs; the text is that copy's own)")
+    p.add_argument("--gen-batch", type=int, default=128,
+                   help="with --regenerate: answers written at once (and cached together); bigger batches run "
+                        "faster where memory allows")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="with --regenerate: sample the answers at this temperature (seeded by --seed) instead of "
+                        "greedy: more distinct text from the same prompts")
     p.add_argument("--ttt", action="store_true",
                    help="EAGLE-3's training-time test: also train depth 2 on the head's own predicted features")
     p.add_argument("--init", type=Path, default=None,
@@ -521,6 +566,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _turns(getattr(args, "turns", "1"))   # a bad --turns is refused before the data and the model are read
+        if getattr(args, "gen_batch", 128) < 1:
+            raise ValueError(f"--gen-batch {args.gen_batch}: give a positive number of answers")
+        if not 0.0 <= getattr(args, "temperature", 0.0) <= 10.0:
+            raise ValueError(f"--temperature {args.temperature}: give a value from 0 (greedy) to 10")
         rows = _rows(args.data)
         if len(rows) < 2:
             raise ValueError(f"{args.data}: need at least 2 conversations (one is held out)")
@@ -551,7 +600,10 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     regen, turns = getattr(args, "regenerate", 0), _turns(getattr(args, "turns", "1"))
     folder = features_dir / model_fingerprint(target.model)
     if regen:
-        data = regenerated_data(target, train_rows, regen, selfgen, turns=turns)
+        data = regenerated_data(target, train_rows, regen, selfgen, turns=turns,
+                                gen_dtype=getattr(args, "gen_dtype", "float32"),
+                                temperature=getattr(args, "temperature", 0.0), seed=args.seed,
+                                batch=getattr(args, "gen_batch", 128))
     else:
         seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
         data = extract_features(target.model, seqs, folder) if seqs else {"tokens": []}
@@ -582,6 +634,8 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
               "train_tokens": tokens, "steps": steps, "batch": args.batch, "lr": args.lr, "noise": args.noise,
               "cls_weight": args.cls_weight, "regenerate": regen, "ttt": args.ttt,
               "turns": list(turns) if regen else None,
+              "gen_dtype": getattr(args, "gen_dtype", "float32") if regen else None,
+              "temperature": getattr(args, "temperature", 0.0) if regen else None,
               "init": str(args.init) if args.init else None,
               "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
               "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,

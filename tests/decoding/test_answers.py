@@ -1,0 +1,87 @@
+"""The batched answer writer behind `rasd train eagle --regenerate` (`rasd.train.answers`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from rasd.cli import main
+from rasd.train.answers import answers_with_features
+from rasd.train.eagle import _answers_chunk, _generate_with_features, _generation_copy, _hf_answers
+from tests.helpers import tiny_llama
+
+
+def _windows(k: int, length: int = 8, seed: int = 5) -> torch.Tensor:
+    return torch.randint(0, 96, (k, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_answers_and_features_are_hf_generates() -> None:
+    """fp32 greedy: the preallocated-cache loop writes HF `generate`'s tokens and its forwards' features."""
+    target = tiny_llama(3)
+    windows = _windows(6)
+    seq, feats = answers_with_features(target, windows, 10)
+    ref_seq, ref_feats = _hf_answers(target, windows, 10, [])
+    assert torch.equal(seq, ref_seq)
+    assert feats.shape == ref_feats.shape == (6, 8 + 10 - 1, 64) and feats.dtype == torch.float16
+    assert torch.allclose(feats.float(), ref_feats.float(), atol=2e-3)
+
+
+def test_the_loop_stops_once_every_row_wrote_an_eos() -> None:
+    target = tiny_llama(3)
+    windows = _windows(3)
+    full, _ = answers_with_features(target, windows, 12)
+    eos = sorted({int(full[i, 8 + 2]) for i in range(3)})    # every row writes one of these by its 3rd token
+    seq, feats = answers_with_features(target, windows, 12, eos=eos)
+    assert seq.shape[1] <= 8 + 3 and feats.shape[1] == seq.shape[1] - 1
+    assert torch.equal(seq, full[:, : seq.shape[1]]), "stopping early changes no token written before"
+
+
+def test_sampled_answers_follow_the_tempered_distribution() -> None:
+    """The first sampled token of 4,000 copies of one prompt against softmax(logits / T): χ² (exact sampling)."""
+    target = tiny_llama(4, init=0.2)   # a peaked random model: a few tokens carry the mass
+    window = _windows(1)
+    temperature = 0.7
+    with torch.inference_mode():
+        probs = torch.softmax(target(window).logits[0, -1].float() / temperature, -1)
+    seq, _ = answers_with_features(target, window.repeat(4000, 1), 1, temperature,
+                                   torch.Generator().manual_seed(0))
+    counts = torch.bincount(seq[:, -1], minlength=probs.numel()).double()
+    expected = probs.double() * 4000
+    keep = expected >= 5                           # χ²'s cells; the rest pooled into one
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    wanted = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    assert keep.sum() >= 3
+    assert chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue > 1e-3
+    again, _ = answers_with_features(target, window.repeat(4000, 1), 1, temperature,
+                                     torch.Generator().manual_seed(0))
+    assert torch.equal(seq, again), "seeded: the same answers again"
+
+
+def test_a_bf16_copy_writes_its_own_answers_apart_from_the_fp32_cache(tmp_path: Path) -> None:
+    """`--gen-dtype bfloat16`: the target stays fp32 (held-out data uses it); the copy's answers are cached under
+    another key, and sampled answers under yet another per temperature and seed."""
+    target = tiny_llama(3)
+    copy = _generation_copy(target, "bfloat16")
+    assert next(target.parameters()).dtype == torch.float32 and next(copy.parameters()).dtype == torch.bfloat16
+    assert _generation_copy(target, "float32") is target
+    windows = _windows(4)
+    data = _answers_chunk(copy, windows, 6, [], tmp_path)
+    assert [len(t) for t in data["tokens"]] == [13] * 4, "no EOS: the last token is never forwarded, so dropped"
+    assert data["feats"][0].shape == (13, 64) and data["feats"][0].dtype == torch.float16
+    _answers_chunk(target, windows, 6, [], tmp_path)
+    _answers_chunk(target, windows, 6, [], tmp_path, temperature=0.8, seed=1)
+    _answers_chunk(target, windows, 6, [], tmp_path, temperature=0.8, seed=2)
+    assert len(list(tmp_path.glob("*-features.pt"))) == 4
+    greedy = _generate_with_features(target, windows, 6, [])
+    assert _answers_chunk(target, windows, 6, [], tmp_path)["tokens"] == greedy["tokens"], "read back"
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "-1"], ["--gen-batch", "0"]])
+def test_bad_generation_options_are_refused_in_one_line(tmp_path: Path, flags: list[str],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "eagle", "--data", str(tmp_path / "none.jsonl"), "--regenerate", "8", *flags]) != 0
+    err = capsys.readouterr().err
+    assert flags[0] in err and "Traceback" not in err, "refused before the data or the model is read"
