@@ -88,9 +88,28 @@ def _forward(inner: Any, caches: list[_Filled], ids: torch.Tensor, positions: to
     return hidden
 
 
+_BLOCK = 1024   # vocabulary entries per block of `_draw`
+
+
 def _next(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     """[K] next tokens: argmax, or drawn from softmax(logits / temperature)."""
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return _draw(torch.softmax(logits / temperature, dim=-1), generator)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[K] one index per row of probs [K, V], by inverse CDF in two levels (blocks, then within the block).
+
+    Why not `torch.multinomial`: on CPU it took 290 ms for 256 rows of a 49k vocabulary, as long as the step's
+    forward; the block sums here are one parallel reduction and the per-row work is 2 x 1024 entries."""
+    k, v = probs.shape
+    padded = probs if v % _BLOCK == 0 else torch.nn.functional.pad(probs, (0, (-v) % _BLOCK))
+    blocks = padded.view(k, -1, _BLOCK)                                                # [K, nb, B]
+    ends = blocks.sum(-1).double().cumsum(-1)                                          # [K, nb]
+    u = torch.rand(k, 1, generator=generator, dtype=torch.float64, device=probs.device) * ends[:, -1:]
+    block = torch.searchsorted(ends, u).clamp_(max=ends.shape[1] - 1)                 # [K, 1]
+    before = torch.where(block > 0, ends.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(u))
+    inside = blocks[torch.arange(k, device=probs.device), block[:, 0]].double().cumsum(-1)   # [K, B]
+    offset = torch.searchsorted(inside, u - before).clamp_(max=_BLOCK - 1)
+    return (block * _BLOCK + offset)[:, 0].clamp_(max=v - 1)

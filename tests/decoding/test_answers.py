@@ -85,3 +85,17 @@ def test_bad_generation_options_are_refused_in_one_line(tmp_path: Path, flags: l
     assert main(["train", "eagle", "--data", str(tmp_path / "none.jsonl"), "--regenerate", "8", *flags]) != 0
     err = capsys.readouterr().err
     assert flags[0] in err and "Traceback" not in err, "refused before the data or the model is read"
+
+
+def test_the_two_level_draw_is_exact_across_blocks() -> None:
+    """`_draw` over a vocabulary of two whole blocks (no padding), mass on both sides of the boundary: χ²."""
+    from rasd.train.answers import _BLOCK, _draw
+
+    probs = torch.zeros(2 * _BLOCK)
+    probs[[0, 5, _BLOCK - 1, _BLOCK, 2 * _BLOCK - 1]] = torch.tensor([0.1, 0.25, 0.15, 0.3, 0.2])
+    drawn = _draw(probs[None].repeat(20000, 1), torch.Generator().manual_seed(3))
+    counts = torch.bincount(drawn, minlength=2 * _BLOCK).double()
+    cells = probs > 0
+    assert counts[~cells].sum() == 0, "never an index without mass"
+    expected = probs[cells].double() / probs[cells].double().sum() * counts.sum()
+    assert chisquare(counts[cells].numpy(), expected.numpy()).pvalue > 1e-3
