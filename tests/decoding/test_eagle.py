@@ -244,7 +244,12 @@ def test_train_eagle_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,  # noq
     assert all(torch.equal(first[k], again[k]) for k in first), "deterministic: the same head again"
     assert main(["generate", "--model", str(tiny_model_dir), "--method", "eagle", "--eagle", str(out), "--prompt",
                  "the quick brown fox", "--max-new-tokens", "8", "--sizing", "fixed", "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
+    tokens = json.loads(capsys.readouterr().out)["token_ids"]
+    assert len(tokens) >= 1
+    # `rasd` drafts with the head file it is given (it once passed the path on to its retrieval source and failed)
+    assert main(["generate", "--model", str(tiny_model_dir), "--method", "rasd", "--eagle", str(out), "--prompt",
+                 "the quick brown fox", "--max-new-tokens", "8", "--sizing", "fixed", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == tokens
     # continued on the target's own answers with the training-time test: same vocabulary, a report that says so
     more = tmp_path / "head2.safetensors"
     assert main([*args[:-2], "--eval-seqs", "4", "--out", str(more), "--init", str(out), "--regenerate", "12",

@@ -218,12 +218,15 @@ def _configure_rasd(setup: DecoderSetup) -> None:
     from rasd.decoding.sizing.cost import curve_is_flat
 
     options, curve_for = setup.options, setup.curve_for
-    use_head = options.pop("head", RASD_HEAD_DEFAULT)
+    use_head, head_file = options.pop("head", RASD_HEAD_DEFAULT), options.pop("eagle", None)
+    if head_file is not None and (use_head != "auto" or setup.draft is not None):
+        raise ValueError("rasd: an EAGLE head file was given, but this rasd drafts with no head "
+                         "(head=off or a --draft-model)")
     if setup.draft is None and "draft_proposer" not in options and use_head == "auto":
         head_options: dict[str, Any] = {"min_prob": None} if setup.sizing == "cost" else {}
         if setup.sizing == "cost":
             head_options["target_step_s"] = lambda n: curve_for(n).latency(1)
-        head = _target_head(setup, **head_options)
+        head = _target_head(setup, head_file, **head_options)
         if head is not None:
             options["draft_proposer"] = head
     if setup.sizing != "cost":
@@ -234,14 +237,15 @@ def _configure_rasd(setup: DecoderSetup) -> None:
         options["draft_options"] = {"min_prob": None, "target_step_s": lambda n: curve_for(n).latency(1)}
 
 
-def _target_head(setup: DecoderSetup, **options: Any) -> Proposer | None:
-    """The target's EAGLE head as a draft (trained here or shipped), or None when it has none."""
+def _target_head(setup: DecoderSetup, path: str | None = None, **options: Any) -> Proposer | None:
+    """The EAGLE head at `path` as a draft (missing: an error), else the target's own (trained here or
+    shipped), or None when it has none."""
     from rasd.decoding.eagle import head_path, shared_head
     from rasd.decoding.proposers.eagle import EagleProposer
 
-    if not head_path(setup.target.name).exists():
+    if path is None and not head_path(setup.target.name).exists():
         return None
-    return EagleProposer(shared_head(setup.target.model, None, setup.target.name), **options)
+    return EagleProposer(shared_head(setup.target.model, path, setup.target.name), **options)
 
 
 def _configure_optree(setup: DecoderSetup) -> None:
