@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from rasd.cli import main
 from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.eagle import EagleHead, load_head, read_meta, save_head
+from rasd.decoding.eagle import EagleHead, HeadConfig, load_head, read_meta, save_head
 from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.proposers.registry import method_spec
@@ -473,3 +473,18 @@ def test_a_catch_up_after_a_long_past_attends_as_one_token_does() -> None:
             torch.nn.functional.scaled_dot_product_attention = original
     torch.testing.assert_close(batch, single, atol=1e-5, rtol=1e-5)
     assert calls == [3, 3]   # three query rows each time, never past + 3
+
+
+def test_rasd_refuses_a_head_file_it_would_not_draft_with(tmp_path: Path) -> None:
+    """`eagle=PATH` with `head=off`: an error, not a head silently left unused."""
+    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.model_loading import LoadedModel
+
+    target = tiny_llama(0)
+    path = tmp_path / "head.safetensors"
+    save_head(path, random_head(target, 0))
+    loaded = LoadedModel(model=target, tokenizer=None, name="tiny", device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="drafts with no head"):
+        build_decoder(loaded, "rasd", sizing="fixed", eagle=str(path), head="off")
+    decoder = build_decoder(loaded, "rasd", sizing="fixed", max_nodes=8, eagle=str(path))
+    assert decoder.proposer.draft is not None and decoder.proposer.draft.head.config == HeadConfig.of(target)
