@@ -139,16 +139,17 @@ def _answers_chunk(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: in
 def _generate_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: int, eos: list[int],
                             temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     """Answers [K, P + G'] and the final-norm output of every forward of the generation: greedy, or sampled at
-    `temperature` (Llama-style models: `rasd.train.answers`, batched on a preallocated cache; others: HF
+    `temperature` (Llama-style models: `rasd.train.answers`, batched on one in-place cache per layer; others: HF
     `generate`, greedy only).
 
     The prefill gives the prompt's P features, each step one more: P + G' - 1 in all (the last token is
     never forwarded, so an answer without EOS loses its last token). Greedy-token counts: the next token of
     every answer position, the LM head's argmax over the prompt's features."""
+    from rasd.decoding import fast_forward
     from rasd.train import answers
 
     device = next(model.parameters()).device
-    if answers.supports(model):
+    if fast_forward.supports(model):
         gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
         seq, feats = answers.answers_with_features(model, windows, gen_tokens, temperature, gen, eos)
     elif temperature > 0:
