@@ -76,8 +76,8 @@ def user_turns(row: dict, turns: tuple[int, ...] = (1,)) -> list[str]:
 def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path | None, window: int = 32,
                      batch: int = 128, turns: tuple[int, ...] = (1,), gen_dtype: str = "float32",
                      temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
-    """The target's greedy answers to each conversation's user turns `turns` (default the first), with their
-    features (EAGLE-3's data).
+    """The target's answers (greedy, or sampled at `temperature`) to each conversation's user turns `turns`
+    (default the first), with their features (EAGLE-3's data).
 
     Each answer is a `window`-token prompt (the turn's end through the chat template) + up to `gen_tokens`
     new tokens, cut after the first EOS. The final-norm features are taken from the generation's own forwards
@@ -120,9 +120,9 @@ def _answers_chunk(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: in
     """One chunk of `regenerated_data`, read from / written to the cache (written whole, atomically)."""
     from rasd.train.common import generation_key
 
-    key = generation_key(model, windows, gen_tokens, eos)
-    if temperature > 0 or next(model.parameters()).dtype != torch.float32:
-        key += "-" + hashlib.sha256(f"{next(model.parameters()).dtype} {temperature} {seed}".encode()).hexdigest()[:8]
+    key, dtype = generation_key(model, windows, gen_tokens, eos), next(model.parameters()).dtype
+    if temperature > 0 or dtype != torch.float32:   # greedy fp32 keeps the key earlier caches were written under
+        key += "-" + hashlib.sha256(f"{dtype} {temperature} {seed}".encode()).hexdigest()[:8]
     file = cache / f"{key}-features.pt" if cache is not None else None
     data = _read_shard(file, len(windows))
     if data is not None:
