@@ -75,7 +75,7 @@ def user_turns(row: dict, turns: tuple[int, ...] = (1,)) -> list[str]:
 
 def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path | None, window: int = 32,
                      batch: int = 128, turns: tuple[int, ...] = (1,), gen_dtype: str = "float32",
-                     temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+                     temperature: float = 0.0, seed: int = 0, samples: int = 1) -> dict[str, Any]:
     """The target's answers (greedy, or sampled at `temperature`) to each conversation's user turns `turns`
     (default the first), with their features (EAGLE-3's data).
 
@@ -86,7 +86,9 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     conversations reuses a smaller run's answers and an interrupted run resumes.
     `gen_dtype`: answers and features from a copy of the target in this dtype (`rasd.train.answers`: bf16 is
     several times faster on AMX CPUs and GPUs; its text is its own, not the fp32 target's greedy text).
-    `temperature` > 0: sampled answers (seeded per chunk), more distinct text from the same prompts.
+    `temperature` > 0: sampled answers (seeded per chunk), more distinct text from the same prompts; `samples`
+    of them per prompt, each draw with its own seeds (draw 0 keeps the seeds a single draw always had, so its
+    cached chunks are reused).
     Returns what `extract_features` does: {"tokens": [list], "feats": [fp16 [n_i, H]], "counts": [vocab]}.
     """
     from rasd.train.common import prompt_windows
@@ -96,13 +98,27 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     eos = sorted(set(target.eos_token_ids or ()))
     vocab = target.model.get_output_embeddings().weight.shape[0]
     out: dict[str, Any] = {"tokens": [], "feats": [], "counts": torch.zeros(vocab, dtype=torch.long)}
+    _check_samples(samples, temperature)
     model = _generation_copy(target.model, gen_dtype)
-    for s in tqdm(range(0, len(windows), batch), desc=f"answers with features ({batch} a chunk)", unit="chunk"):
-        part = _answers_chunk(model, windows[s: s + batch], gen_tokens, eos, cache, temperature, seed + s)
+    chunks = [(draw, s) for draw in range(samples) for s in range(0, len(windows), batch)]
+    for draw, s in tqdm(chunks, desc=f"answers with features ({batch} a chunk)", unit="chunk"):
+        part = _answers_chunk(model, windows[s: s + batch], gen_tokens, eos, cache, temperature,
+                              seed + s + draw * SAMPLE_SEED_STRIDE)
         out["tokens"] += part["tokens"]
         out["feats"] += part["feats"]
         out["counts"] += part["counts"]
     return out
+
+
+SAMPLE_SEED_STRIDE = 1_000_003   # draw k of a prompt chunk is seeded seed + chunk start + k * this: no two meet
+
+
+def _check_samples(samples: int, temperature: float) -> None:
+    """More than one answer per prompt needs sampling: greedy answers would all be the same text."""
+    if samples < 1:
+        raise ValueError(f"--samples {samples}: give a positive number of answers per prompt")
+    if samples > 1 and temperature <= 0:
+        raise ValueError(f"--samples {samples} needs --temperature > 0: greedy answers to a prompt are all the same")
 
 
 def _generation_copy(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
@@ -300,14 +316,15 @@ class _StepCache:
         return torch.cat([self.keys, k], dim=-2), torch.cat([self.values, v], dim=-2)
 
 
-def _second_pass_mask(n1: int, n2: int) -> torch.Tensor:
+def _second_pass_mask(n1: int, n2: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Additive [1, 1, n2, n1 + n2]: pass-2 query j sees pass-1 keys 0..j (true context) and only itself.
 
     That is what a depth-2 tree node sees when decoding: the committed context up to its root, then its own
     path (`_depth_hits` builds the same mask)."""
-    j = torch.arange(n2)[:, None]
-    visible = torch.cat([torch.arange(n1)[None] <= j, torch.eye(n2, dtype=torch.bool)], dim=1)
-    return torch.zeros(visible.shape).masked_fill_(~visible, torch.finfo(torch.float32).min)[None, None]
+    j = torch.arange(n2, device=device)[:, None]
+    visible = torch.cat([torch.arange(n1, device=device)[None] <= j, torch.eye(n2, dtype=torch.bool, device=device)],
+                        dim=1)
+    return torch.zeros(visible.shape, device=device).masked_fill_(~visible, torch.finfo(torch.float32).min)[None, None]
 
 
 def _step_loss(head: EagleHead, pred: torch.Tensor, true: torch.Tensor, mask: torch.Tensor
@@ -332,8 +349,8 @@ def head_loss(head: EagleHead, ids: torch.Tensor, feats: torch.Tensor, valid: to
     (f̂_{t+1}, x_{t+2}) as a depth-2 node does, so the head learns to draft on its own features too."""
     inp = feats[:, :-1]
     if noise:
-        inp = inp + (torch.rand(inp.shape, generator=gen) * 2 - 1) * noise
-    pos = torch.arange(1, ids.shape[1])[None].expand(ids.shape[0], -1)
+        inp = inp + ((torch.rand(inp.shape, generator=gen) * 2 - 1) * noise).to(inp.device)   # CPU draws: seeded alike
+    pos = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
     kv = _StepCache() if ttt else None
     pred = head(inp, ids[:, 1:], pos, kv=kv)                              # [B, T-1, H]: f̂_{t+1}
     true = head.final_features(feats)                                     # the tapped layers are inputs only
@@ -341,7 +358,7 @@ def head_loss(head: EagleHead, ids: torch.Tensor, feats: torch.Tensor, valid: to
     loss, parts = reg + w_cls * ce, {"reg": reg.item(), "ce": ce.item(), "top1": top1.item()}
     if ttt and ids.shape[1] > 2:
         n1, n2 = pred.shape[1], pred.shape[1] - 1
-        pred2 = head(pred[:, :-1], ids[:, 2:], pos[:, 1:] + 1, kv=kv, mask=_second_pass_mask(n1, n2))
+        pred2 = head(pred[:, :-1], ids[:, 2:], pos[:, 1:] + 1, kv=kv, mask=_second_pass_mask(n1, n2, ids.device))
         reg2, ce2, top2 = _step_loss(head, pred2, true[:, 2:], (valid[:, 2:] & valid[:, :-2]).float())
         loss = loss + reg2 + w_cls * ce2
         parts.update(ce2=ce2.item(), top1_d2=top2.item())
@@ -359,9 +376,10 @@ def depth_agreement(head: EagleHead, sequences: torch.Tensor, feats: torch.Tenso
     and attends to the context up to its root and to its own chain, never to another root's.
     """
     hits1, hits4, total = [0] * depths, [0] * depths, [0] * depths
+    device = _device_of(head)
     for s in range(0, len(sequences), batch):
-        h1, h4, n = _depth_hits(head, sequences[s: s + batch], feats[s: s + batch].float(),
-                                valid[s: s + batch], prompt_len, depths)
+        h1, h4, n = _depth_hits(head, sequences[s: s + batch].to(device), feats[s: s + batch].to(device).float(),
+                                valid[s: s + batch].to(device), prompt_len, depths)
         for d in range(depths):
             hits1[d], hits4[d], total[d] = hits1[d] + h1[d], hits4[d] + h4[d], total[d] + n[d]
     return {"top1": [round(h / max(n, 1), 4) for h, n in zip(hits1, total, strict=True)],
@@ -371,7 +389,7 @@ def depth_agreement(head: EagleHead, sequences: torch.Tensor, feats: torch.Tenso
 def _depth_hits(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, prompt_len: int,
                 depths: int) -> tuple[list[int], list[int], list[int]]:
     k, t = seq.shape
-    roots = torch.arange(max(1, prompt_len - 1), t - depths)                                  # [R]
+    roots = torch.arange(max(1, prompt_len - 1), t - depths, device=seq.device)              # [R]
     h1, h4, n = [], [], []
     for d, top4 in enumerate(chain_top_tokens(head, seq, feats, roots, depths, top=4)):
         want = seq[:, roots + d + 1]                                                           # [K, R]
@@ -395,17 +413,20 @@ def chain_top_tokens(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, ro
 
     k, t = seq.shape
     kv = GrowableLayer()
-    pred = head(feats[:, :-1], seq[:, 1:], torch.arange(1, t)[None].expand(k, -1), kv=kv)   # pred[:, j] = f̂_{j+1}
-    cur = pred[:, roots - 1]                                                                  # f̂_r  [K, R, H]
-    key_pos = torch.arange(1, t)                                                              # true keys' positions
+    device = seq.device
+    pred = head(feats[:, :-1], seq[:, 1:], torch.arange(1, t, device=device)[None].expand(k, -1), kv=kv)
+    cur = pred[:, roots - 1]                                                    # f̂_r [K, R, H]; pred[:, j] = f̂_{j+1}
+    key_pos = torch.arange(1, t, device=device)                                 # true keys' positions
+    vocab = head.vocab.to(device) if head.vocab is not None else None
     for d in range(depths):
         ids = head.logits(cur).topk(top, dim=-1).indices
-        yield head.vocab[ids] if head.vocab is not None else ids
+        yield vocab[ids] if vocab is not None else ids
         if d + 1 == depths:
             return
         # next chain node of every root: input (f̂_{r+d}, x_{r+d+1}) at position r + d + 1
-        visible = [key_pos[None, :] <= roots[:, None]] + [torch.eye(len(roots), dtype=torch.bool)] * (d + 1)
-        mask = torch.zeros(len(roots), t - 1 + len(roots) * (d + 1))
+        own = torch.eye(len(roots), dtype=torch.bool, device=device)
+        visible = [key_pos[None, :] <= roots[:, None]] + [own] * (d + 1)
+        mask = torch.zeros(len(roots), t - 1 + len(roots) * (d + 1), device=device)
         mask.masked_fill_(~torch.cat(visible, 1), torch.finfo(mask.dtype).min)
         pos = (roots + d + 1)[None].expand(k, -1)
         cur = head(cur, seq[:, roots + d + 1], pos, kv=kv, mask=mask[None, None])
@@ -416,8 +437,8 @@ def head_chain_labels(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, r
     """AdaEAGLE's label for the head at every root [K, R]: how many tokens of its greedy k_max-token chain match
     the text (the common-prefix length). While the chain matches, its inputs are the text's tokens, so the
     chain of `chain_top_tokens` is the one the head drafts; after the first miss nothing counts."""
-    run = torch.ones(seq.shape[0], len(roots), dtype=torch.bool)
-    label = torch.zeros(seq.shape[0], len(roots), dtype=torch.long)
+    run = torch.ones(seq.shape[0], len(roots), dtype=torch.bool, device=seq.device)
+    label = torch.zeros(seq.shape[0], len(roots), dtype=torch.long, device=seq.device)
     for d, top1 in enumerate(chain_top_tokens(head, seq, feats, roots, k_max)):
         run &= top1[..., 0] == seq[:, roots + d + 1]
         label += run.long()
@@ -425,6 +446,11 @@ def head_chain_labels(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, r
 
 
 # ---------------------------------------------------------------------------------------------- training
+
+
+def _device_of(head: EagleHead) -> torch.device:
+    """Where the head's weights are: batches read from the CPU feature cache are moved there (a GPU trains)."""
+    return next(head.parameters()).device
 
 
 def _lr(step: int, steps: int, lr: float) -> float:
@@ -437,23 +463,24 @@ def train_head(head: EagleHead, tokens: list[list[int]], feats: list[torch.Tenso
                checkpoint: Path | None = None, progress: bool = True, ttt: bool = False) -> dict[str, Any]:
     """Optimise fc + layer on the stored features; resumable from `checkpoint` (same settings)."""
     params = [p for p in head.parameters() if p.requires_grad]
+    device = _device_of(head)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     order = torch.Generator().manual_seed(seed + 1)
     start, history = 0, []
     if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=False, map_location=device)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        order.set_state(state["order"])
+        gen.set_state(state["gen"].cpu())
+        order.set_state(state["order"].cpu())
         start, history = state["step"], state["history"]
     head.train()
     bar = tqdm(range(start, steps), desc="training EAGLE head", unit="step", initial=start, total=steps,
                disable=not progress)
     for step in bar:
         idx = torch.randint(len(tokens), (min(batch, len(tokens)),), generator=order).tolist()
-        ids, f, valid = _batch(tokens, feats, idx)
+        ids, f, valid = (t.to(device) for t in _batch(tokens, feats, idx))
         loss, parts = head_loss(head, ids, f, valid, noise, w_cls, gen, ttt)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -508,8 +535,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="restrict the head's output to the target's N most written tokens (0 = all)")
     p.add_argument("--regenerate", type=int, default=0, metavar="TOKENS",
-                   help="train on the target's own greedy answers (this many tokens) to each conversation's first "
-                        "turn (EAGLE-3's data: what the head will draft) instead of the conversations as they are")
+                   help="train on the target's own answers (this many tokens) to the conversations' user turns "
+                        "(--turns; greedy, or sampled with --temperature) instead of the conversations as they are: "
+                        "EAGLE-3's data, what the head will draft")
     p.add_argument("--turns", default="1",
                    help="with --regenerate: which user turns of each conversation are prompts, 1-based and comma "
                         "separated (`2` continues a head trained on the first turns on prompts it never saw)")
@@ -522,6 +550,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="with --regenerate: sample the answers at this temperature (seeded by --seed) instead of "
                         "greedy: more distinct text from the same prompts")
+    p.add_argument("--samples", type=int, default=1,
+                   help="with --regenerate and --temperature: answers drawn per prompt (each with its own seed): "
+                        "more training text from the same conversations")
     p.add_argument("--ttt", action="store_true",
                    help="EAGLE-3's training-time test: also train depth 2 on the head's own predicted features")
     p.add_argument("--init", type=Path, default=None,
@@ -571,6 +602,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--gen-batch {args.gen_batch}: give a positive number of answers")
         if not 0.0 <= getattr(args, "temperature", 0.0) <= 10.0:
             raise ValueError(f"--temperature {args.temperature}: give a value from 0 (greedy) to 10")
+        _check_samples(getattr(args, "samples", 1), getattr(args, "temperature", 0.0))
         rows = _rows(args.data)
         if len(rows) < 2:
             raise ValueError(f"{args.data}: need at least 2 conversations (one is held out)")
@@ -604,7 +636,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
         data = regenerated_data(target, train_rows, regen, selfgen, turns=turns,
                                 gen_dtype=getattr(args, "gen_dtype", "float32"),
                                 temperature=getattr(args, "temperature", 0.0), seed=args.seed,
-                                batch=getattr(args, "gen_batch", 128))
+                                batch=getattr(args, "gen_batch", 128), samples=getattr(args, "samples", 1))
     else:
         seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
         data = extract_features(target.model, seqs, folder) if seqs else {"tokens": []}
@@ -637,6 +669,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
               "turns": list(turns) if regen else None,
               "gen_dtype": getattr(args, "gen_dtype", "float32") if regen else None,
               "temperature": getattr(args, "temperature", 0.0) if regen else None,
+              "samples": getattr(args, "samples", 1) if regen else None,
               "init": str(args.init) if args.init else None,
               "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
               "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,

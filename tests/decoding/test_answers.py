@@ -79,7 +79,8 @@ def test_a_bf16_copy_writes_its_own_answers_apart_from_the_fp32_cache(tmp_path: 
     assert _answers_chunk(target, windows, 6, [], tmp_path)["tokens"] == greedy["tokens"], "read back"
 
 
-@pytest.mark.parametrize("flags", [["--temperature", "-1"], ["--gen-batch", "0"]])
+@pytest.mark.parametrize("flags", [["--temperature", "-1"], ["--gen-batch", "0"], ["--samples", "2"],
+                                   ["--samples", "0", "--temperature", "0.5"]])
 def test_bad_generation_options_are_refused_in_one_line(tmp_path: Path, flags: list[str],
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "eagle", "--data", str(tmp_path / "none.jsonl"), "--regenerate", "8", *flags]) != 0
@@ -99,3 +100,29 @@ def test_the_two_level_draw_is_exact_across_blocks() -> None:
     assert counts[~cells].sum() == 0, "never an index without mass"
     expected = probs[cells].double() / probs[cells].double().sum() * counts.sum()
     assert chisquare(counts[cells].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_several_sampled_answers_per_prompt_are_distinct_draws_and_reuse_the_first(tmp_path: Path) -> None:
+    """`--samples 2`: every prompt answered twice with other seeds; draw 0 is the single draw's text, read from its
+    cache; more than one greedy answer per prompt is refused (it would be the same text)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from rasd.train.eagle import regenerated_data
+    from tests.helpers import make_tiny_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path / "tok"))
+    target = SimpleNamespace(model=tiny_llama(3, vocab=len(tokenizer), init=0.2), tokenizer=tokenizer,
+                             eos_token_ids=[])
+    rows = [{"conversations": [{"from": "human", "value": f"tell me about glaciers and bridges, part {i} " * 3}]}
+            for i in range(3)]
+    one = regenerated_data(target, rows, 6, tmp_path / "cache", window=8, temperature=0.9, seed=1)
+    files = set((tmp_path / "cache").glob("*.pt"))
+    two = regenerated_data(target, rows, 6, tmp_path / "cache", window=8, temperature=0.9, seed=1, samples=2)
+    assert len(two["tokens"]) == 2 * len(one["tokens"]) == 6
+    assert two["tokens"][:3] == one["tokens"], "draw 0 is the single draw"
+    assert files < set((tmp_path / "cache").glob("*.pt")), "the second draw is a chunk of its own"
+    assert all(a[:8] == b[:8] and a != b for a, b in zip(two["tokens"][:3], two["tokens"][3:], strict=True))
+    with pytest.raises(ValueError, match="--samples 2 needs --temperature"):
+        regenerated_data(target, rows, 6, None, window=8, samples=2)
