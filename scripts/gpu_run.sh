@@ -11,6 +11,10 @@
 #      document-QA prompts, made here with `python scripts/inprocess_load.py --save-prompts`) and Spec-Bench's
 #      question.jsonl. Runs the real-model check, Spec-Bench and the batched document-QA load:
 #        OUT=$OUT bash scripts/gpu_run.sh
+#   (`bash scripts/gpu_stage.sh` builds both folders here, ahead of the lent minutes.)
+#   3. optional, PARTS=head on the same warm machine: more training answers for the EAGLE head, written in bf16 on the
+#      GPU, and the shipped head continued on them; the head and its report come back in $OUT:
+#        PARTS=head OUT=$OUT bash scripts/gpu_run.sh
 # Every part has its own time limit, so one that hangs or fails leaves the others' results.
 # Elsewhere, with rasd installed normally, run the Python commands below directly.
 set -u
@@ -66,3 +70,12 @@ part hf-static "${STATIC_S:-110}" python3 -m rasd.cli bench --dataset $R/questio
 #    against HF generate greedy on the same device, which is also the speed baseline
 part load "${LOAD_S:-120}" python3 scripts/inprocess_load.py --prompts $R/prompts.jsonl --index $R/index \
     --device "$DEVICE" --concurrency 1,4,8 --out "$OUT/load_cuda.json" --plot "$OUT/load_cuda.png"
+
+# 5. (PARTS=head) the EAGLE head: sampled answers to every user turn of the ShareGPT conversations (SAMPLES draws each,
+#    bf16 copy of the target), then the shipped head continued on them with the training-time test; its held-out
+#    agreement before and after is in the report (the same 120 held-out conversations as every head's)
+part head "${HEAD_S:-420}" python3 -m rasd.cli train eagle --model default --data $R/sharegpt_v3_first4000.jsonl.gz \
+    --regenerate 192 --turns 1,2,3,4 --seqs 3872 --gen-dtype bfloat16 --gen-batch "${GEN_BATCH:-1024}" \
+    --temperature "${TEMPERATURE:-0.8}" --samples "${SAMPLES:-4}" --seed 7 --ttt \
+    --init rasd/decoding/heads/smollm2-135m-instruct.safetensors --steps "${HEAD_STEPS:-3000}" --batch 32 --lr 1e-3 \
+    --device "$DEVICE" --out "$OUT/head_gpu.safetensors"
