@@ -121,6 +121,23 @@ def test_head_cache_rolls_back_to_the_accepted_path() -> None:
     assert stream.stats.num_accepted_tokens < stream.stats.num_draft_tokens, "some drafts were rejected"
 
 
+def test_the_features_buffer_holds_what_appending_would_and_restarts_on_a_gap() -> None:
+    """`observe_hidden` writes into a buffer that doubles (no copy of every feature at every step): what it holds
+    is what concatenation held, after appends, an overwrite of the last positions and a gap (a fresh start)."""
+    proposer = make_proposer("eagle", head=trained_head(0))
+    proposer.start([1, 2, 3], SamplingParams())
+    rows = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    want = rows[:10].clone()
+    proposer.observe_hidden(0, rows[:10])
+    for start, n in [(10, 1), (11, 3), (14, 2), (13, 5), (18, 9), (27, 13)]:   # (13, 5): positions 13-15 again
+        proposer.observe_hidden(start, rows[start: start + n])
+        want = torch.cat([want[:start], rows[start: start + n]])
+        assert proposer.feat_start == 0 and torch.equal(proposer.feats, want)
+    assert proposer._known_until() == 40
+    proposer.observe_hidden(45, rows[:2])
+    assert proposer.feat_start == 45 and torch.equal(proposer.feats, rows[:2]), "a gap: begin again there"
+
+
 def test_eagle_in_a_batch_with_rows_joining_and_chunked_prefill() -> None:
     target = tiny_llama(0)
     head = trained_head(0)

@@ -55,7 +55,8 @@ class EagleProposer(DraftModelProposer):
         self.cache = self._new_cache()
         self.cached, self.offset = [], 0
         self.root_logits = None
-        self.feats: torch.Tensor | None = None   # [n, H]: the target's features of positions feat_start ..
+        self._buf: torch.Tensor | None = None   # [capacity, H]: rows 0..n-1 are the target's features of
+        self._n = 0                              # positions feat_start .. feat_start + n - 1
         self.feat_start = 0
         self.node_feats: dict[int, torch.Tensor] = {}   # tree node -> the head's predicted feature [H]
 
@@ -63,20 +64,34 @@ class EagleProposer(DraftModelProposer):
         super().start(prompt_ids, sampling)
         self._reset_features()
 
+    @property
+    def feats(self) -> torch.Tensor | None:
+        """[n, H]: the target's features of positions feat_start .. (None before the first)."""
+        return None if self._buf is None else self._buf[: self._n]
+
     def observe_hidden(self, start: int, hidden: torch.Tensor) -> None:
-        """The target's final-norm features [n, H] of positions start .. start + n - 1 (contiguous)."""
+        """The target's final-norm features [n, H] of positions start .. start + n - 1 (contiguous).
+
+        Written into a buffer that doubles when full: appending by `torch.cat` copied every feature since the
+        prompt's first at every step (9 MB a step after a 4k-token prompt)."""
         hidden = hidden.detach().to(self.dtype)
-        if self.feats is None or start > self.feat_start + len(self.feats) or start < self.feat_start:
-            self.feats, self.feat_start = hidden.clone(), start   # a gap (or a restart): begin again here
+        if self._buf is None or start > self._known_until() or start < self.feat_start:
+            self._buf, self._n, self.feat_start = hidden.clone(), len(hidden), start   # a gap or a restart
             self.cache.crop(-self.cache.get_seq_length())
             self.cached, self.root_logits = [], None
             return
         keep = start - self.feat_start
-        self.feats = torch.cat([self.feats[:keep], hidden])
+        need = keep + len(hidden)
+        if need > len(self._buf):
+            grown = self._buf.new_empty((max(need, 2 * len(self._buf)), self._buf.shape[1]))
+            grown[:keep] = self._buf[:keep]
+            self._buf = grown
+        self._buf[keep:need] = hidden
+        self._n = need
 
     def _known_until(self) -> int:
         """One past the last position whose target feature is known."""
-        return self.feat_start + (0 if self.feats is None else len(self.feats))
+        return self.feat_start + self._n
 
     def _sync(self, context: list[int]) -> torch.Tensor | None:
         """Make the head's cache hold positions offset .. L-1 and return its logits at the root [vocab].
@@ -85,7 +100,7 @@ class EagleProposer(DraftModelProposer):
         if self.root_logits is not None and self._holds(context):
             return self.root_logits
         root = len(context) - 1
-        if self.feats is None or self._known_until() < root or root < 1:
+        if self._buf is None or self._known_until() < root or root < 1:
             return None
         if not self.cached:
             floor = max(0, len(context) - self.window) if self.window is not None else 0
