@@ -37,6 +37,7 @@ from rasd.decoding.features import FinalNormTap, LayerTaps, final_norm
 from rasd.train.common import greedy_continuations, model_fingerprint, write_json
 
 DEPTHS = 4
+SAMPLE_SEED_STRIDE = 1_000_003   # draw k of a prompt chunk is seeded seed + chunk start + k * this: no two meet
 
 
 def conversation_ids(tokenizer: Any, rows: list[dict], seq_len: int, min_len: int = 32) -> list[list[int]]:
@@ -108,9 +109,6 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
         out["feats"] += part["feats"]
         out["counts"] += part["counts"]
     return out
-
-
-SAMPLE_SEED_STRIDE = 1_000_003   # draw k of a prompt chunk is seeded seed + chunk start + k * this: no two meet
 
 
 def _check_samples(samples: int, temperature: float) -> None:
