@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from rasd.decoding.probe import machine_probe, was_busy
 from rasd.fsio import write_json_atomic
 from rasd.paths import kernel_choices_path
 
@@ -67,7 +68,9 @@ _CHOICES: dict[tuple[Any, ...], str] = {}   # (out, in, M bucket, dtype, threads
 _SAVED: dict[tuple[Any, ...], str] = {}    # what this machine's file holds (read, or written by this process)
 _LOADED: set[str] = set()                   # the files read in this process
 _FORCED: set[tuple[Any, ...]] = set()       # keys set by `RASD_LINEAR`, not measured
-CHOICES_VERSION = 1                         # bump when a form's code or the timing changes what wins
+CHOICES_VERSION = 2                         # bump when a form's code or the timing changes what wins
+# key -> `machine_probe()` when its form was measured: a form chosen on a busy machine is measured again
+_PROBES: dict[tuple[Any, ...], float] = {}
 _TUNE_ROUNDS = 5
 _MAX_TUNED_ROWS = 64   # trees; a prefill (hundreds of rows) is not skinny: stock, and no timing on the way
 _BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)   # row counts timed at `install`; others take the next one up
@@ -310,9 +313,25 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
         module._rasd_approximate = approximate
     ALL_ATTENTION_FUNCTIONS["sdpa"] = _tree_sdpa
     _load_choices()
+    known = set(_CHOICES)
+    before = machine_probe() if not _measured(model, head, known) else None
     _tune(model, head)
+    if before is not None and len(_CHOICES) > len(known):
+        busiest = max(before, machine_probe())   # load at either end may have slowed the timings between
+        for key in _CHOICES.keys() - known:
+            _PROBES[key] = max(_PROBES.get(key, 0.0), busiest)
     _save_choices()
     return model
+
+
+def _measured(model: torch.nn.Module, head: torch.nn.Module | None, known: set[tuple[Any, ...]]) -> bool:
+    """Whether every product `_tune` would time for `model` already has a form (then no probe is taken)."""
+    approximate = bool(getattr(model, "approximate_products", False))
+    keys = [_key(m.weight, rows, m is head, _approximate(m)) for m in model.modules()
+            if isinstance(m, torch.nn.Linear) and getattr(m, "weight", None) is not None
+            and m.weight.device.type == "cpu" for rows in _BUCKETS]
+    keys += [_key(w, rows, "bare", approximate) for w in getattr(model, "bare_weights", list)() for rows in _BUCKETS]
+    return all(k in known for k in keys)
 
 
 @cache
@@ -338,7 +357,10 @@ def _load_choices() -> None:
 
     Why: timing every shape and bucket costs each process that loads a model ≈ 9 s (a serve replica, a
     batch actor, a draft worker, a CLI run), for the same answer every time on the same machine. A forced
-    form (`RASD_LINEAR`) reads nothing; a corrupt file is ignored and rewritten by the next measurement."""
+    form (`RASD_LINEAR`) reads nothing; a corrupt file is ignored and rewritten by the next measurement.
+    A form measured while the machine was busier than it is now is dropped and measured again (`_tune`): on
+    a 2-core Xeon, forms tuned during a training job kept a 4-token verification at 46 ms where the forms a
+    quiet machine picks take 43."""
     if os.environ.get("RASD_LINEAR", "auto") != "auto":
         return
     path = _choices_file()
@@ -347,13 +369,29 @@ def _load_choices() -> None:
     _LOADED.add(str(path))
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))
-        for (out, inp, rows_, dtype, threads, head, approximate), form in rows:
-            key = (out, inp, rows_, getattr(torch, dtype), threads, head, approximate)
-            if form in _FORMS and isinstance(key[3], torch.dtype):
-                _CHOICES.setdefault(key, form)
-                _SAVED.setdefault(key, form)
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (OSError, ValueError):
         return
+    now = machine_probe() if rows else 0.0
+    for row in rows if isinstance(rows, list) else ():
+        parsed = _parse_row(row)
+        if parsed is None or was_busy(parsed[2], now):
+            continue
+        key, form, probe = parsed
+        _CHOICES.setdefault(key, form)
+        _SAVED.setdefault(key, form)
+        _PROBES.setdefault(key, probe)
+
+
+def _parse_row(row: Any) -> tuple[tuple[Any, ...], str, float] | None:
+    """(key, form, probe) from one row of the machine's file; None for a row this version cannot trust."""
+    try:
+        (out, inp, rows_, dtype, threads, head, approximate), form, probe = row
+        key = (out, inp, rows_, getattr(torch, dtype), threads, head, approximate)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    if form not in _FORMS or not isinstance(key[3], torch.dtype) or not isinstance(probe, (int, float)):
+        return None
+    return key, form, float(probe)
 
 
 def _save_choices() -> None:
@@ -364,9 +402,14 @@ def _save_choices() -> None:
     if not new:
         return
     _SAVED.update({k: _CHOICES[k] for k in new})
+    unstamped = [k for k in new if k not in _PROBES]   # met mid-decoding, after the last `install`
+    if unstamped:
+        now = machine_probe()
+        _PROBES.update(dict.fromkeys(unstamped, now))
     _LOADED.discard(str(_choices_file()))
     _load_choices()   # merge with what other processes wrote meanwhile
-    rows = [[[k[0], k[1], k[2], str(k[3]).removeprefix("torch."), k[4], k[5], k[6]], v] for k, v in _SAVED.items()]
+    rows = [[[k[0], k[1], k[2], str(k[3]).removeprefix("torch."), k[4], k[5], k[6]], v, _PROBES.get(k, 0.0)]
+            for k, v in _SAVED.items()]
     try:
         write_json_atomic(_choices_file(), rows)
     except OSError:

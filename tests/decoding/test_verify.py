@@ -440,5 +440,61 @@ def test_measured_forms_are_kept_for_the_machine_and_a_second_process_times_noth
     install(torch.nn.Sequential(torch.nn.Linear(24, 45)))
     monkeypatch.setenv("RASD_LINEAR", "auto")
     install(torch.nn.Sequential(torch.nn.Linear(24, 46)))
-    shapes = {tuple(key[:2]) for key, _ in json.loads(kernels._choices_file().read_text())}
+    shapes = {tuple(key[:2]) for key, _, _ in json.loads(kernels._choices_file().read_text())}
     assert (46, 24) in shapes and (45, 24) not in shapes
+
+
+def test_forms_measured_on_a_busy_machine_are_measured_again(tmp_path, monkeypatch) -> None:
+    """Forms tuned while another process held the cores (a training job) were kept for the machine for ever:
+    a 4-token verification stayed 7% dearer than with the forms a quiet machine picks. Each form now carries the
+    machine probe of its measurement, and one whose probe ran clearly slower than the probe now is re-timed."""
+    from rasd.decoding import kernels
+    from tests.helpers import fresh_tiny_llama
+
+    monkeypatch.setenv("RASD_HOME", str(tmp_path))
+    monkeypatch.setenv("RASD_LINEAR", "auto")
+    for name in ("_CHOICES", "_SAVED", "_LOADED", "_FORCED", "_PROBES"):
+        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
+    monkeypatch.setattr(kernels, "machine_probe", lambda: 0.004)   # tuned while busy: 4 ms
+    install(fresh_tiny_llama(0))
+    rows = json.loads(kernels._choices_file().read_text())
+    assert rows and all(probe == 0.004 for _, _, probe in rows)
+    measured = len(rows)
+
+    timed: list[int] = []
+    real_pass_times = kernels.pass_times
+
+    def counting(*args, **kwargs):
+        timed.append(1)
+        return real_pass_times(*args, **kwargs)
+
+    for name in ("_CHOICES", "_SAVED", "_LOADED", "_PROBES"):   # a new process on the same machine...
+        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
+    monkeypatch.setattr(kernels, "pass_times", counting)
+    monkeypatch.setattr(kernels, "machine_probe", lambda: 0.0035)   # ... a little quieter: trusted
+    install(fresh_tiny_llama(0))
+    assert not timed and len(kernels._CHOICES) == measured
+
+    for name in ("_CHOICES", "_SAVED", "_LOADED", "_PROBES"):
+        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
+    monkeypatch.setattr(kernels, "machine_probe", lambda: 0.001)    # ... quiet: everything is timed again
+    install(fresh_tiny_llama(0))
+    rows = json.loads(kernels._choices_file().read_text())
+    assert timed and len(rows) == measured and all(probe == 0.001 for _, _, probe in rows)
+
+
+def test_a_choices_file_of_an_older_layout_is_not_trusted(tmp_path, monkeypatch) -> None:
+    """Rows without the probe (or malformed) are measured again rather than read."""
+    from rasd.decoding import kernels
+
+    monkeypatch.setenv("RASD_HOME", str(tmp_path))
+    monkeypatch.setenv("RASD_LINEAR", "auto")
+    for name in ("_CHOICES", "_SAVED", "_LOADED", "_PROBES"):
+        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
+    kernels._choices_file().parent.mkdir(parents=True, exist_ok=True)
+    kernels._choices_file().write_text(json.dumps([[[8, 4, 1, "float32", 2, False, False], "packed"],
+                                                   [[8, 4, 2, "float32", 2, False, False], "nonsense", 0.001],
+                                                   [[8, 4, 3, "float32", 2, False, False], "stock", 0.001]]))
+    monkeypatch.setattr(kernels, "machine_probe", lambda: 0.001)
+    kernels._load_choices()
+    assert list(kernels._CHOICES.values()) == ["stock"] and list(kernels._CHOICES)[0][2] == 3

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from rasd.decoding.cache import TreeCache, cache_kwargs
 from rasd.decoding.kernels import fast_kernels, install
+from rasd.decoding.probe import machine_probe, was_busy
 from rasd.decoding.static_step import StaticRows, StepConfig
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import tree_forward
@@ -35,11 +36,9 @@ DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 CONTEXT_BUCKETS = (256, 1024, 2048, 4096)
 # Part of the cache key: bump it whenever the verification kernels change cost, so that curves measured
 # with older kernels are measured again instead of steering tree sizes for ever.
-CURVE_VERSION = 7   # 3: the lean forward; 4: a load probe beside the latencies; 5: one-row kernels tuned;
+CURVE_VERSION = 8   # 3: the lean forward; 4: a load probe beside the latencies; 5: one-row kernels tuned;
 # 6: layer kernels chosen in passes over the whole model (a plain step got cheaper against a tree);
-# 7: sizes between the powers of two (`DEFAULT_SIZES`)
-# A cached curve whose probe ran this much slower than the probe now was measured on a busy machine.
-STALE_PROBE_RATIO = 1.25
+# 7: sizes between the powers of two (`DEFAULT_SIZES`); 8: kernel forms re-measured when tuned on a busy machine
 # A curve read (and its probe checked) in this process is trusted for this long: a service builds a decoder
 # per request, and reading the file plus timing the probe cost ≈ 12 ms of every request's first token.
 TRUSTED_FOR_S = 60.0
@@ -77,25 +76,6 @@ class CostCurve:
     def relative(self) -> list[float]:
         """Latency of each size over the latency of one token (what a person wants to see)."""
         return [lat / self.latency_s[0] for lat in self.latency_s]
-
-
-def machine_probe(rounds: int = 15) -> float:
-    """Fastest of a few runs of a fixed matrix product (≈ 1 ms): how fast this machine is right now.
-
-    Why: a curve measured while another process held the cores (a test run, a training job) is slower
-    at every size, and once cached it would steer tree sizes for ever — every tree would look dear next to
-    a plain step whose real latency the sizer soon observes. Timing the same product when the curve is
-    measured and when it is loaded tells a busy measurement from a slow machine.
-    """
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(64, 576, generator=gen), torch.randn(576, 1536, generator=gen)
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def context_bucket(context_len: int) -> int:
@@ -233,9 +213,7 @@ def curve_is_flat(curve: CostCurve, tokens: int = 16) -> bool:
 
 def _measured_busy(curve: CostCurve) -> bool:
     """Whether the machine was clearly busier when `curve` was measured than it is now (then re-measure)."""
-    if curve.probe_s is None:
-        return False
-    return curve.probe_s > STALE_PROBE_RATIO * machine_probe()
+    return curve.probe_s is not None and was_busy(curve.probe_s, machine_probe())
 
 
 def _atomic_write_json(path: Path, data: dict) -> None:
