@@ -498,3 +498,26 @@ def test_a_choices_file_of_an_older_layout_is_not_trusted(tmp_path, monkeypatch)
     monkeypatch.setattr(kernels, "machine_probe", lambda: 0.001)
     kernels._load_choices()
     assert list(kernels._CHOICES.values()) == ["stock"] and list(kernels._CHOICES)[0][2] == 3
+
+
+def test_one_form_for_every_shape_where_a_whole_pass_of_it_beats_the_per_shape_mix(monkeypatch) -> None:
+    """A form's speed depends on its neighbours: the per-shape choice is kept only when no uniform pass is 3%
+    faster than the mix as a whole."""
+    from rasd.decoding import kernels
+
+    chosen = {(8, 4): "packed", (4, 8): "stock"}
+    forms = {"stock": None, "packed": None}
+
+    def fake(totals):
+        def pass_times(modules, inputs, forms, before_pass=None):   # per shape, per form: half the total each
+            return {shape: {name: totals[name] / 2 for name in forms} for shape in chosen}
+        return pass_times
+
+    monkeypatch.setattr(kernels, "pass_times", fake({"mixed": 24.2, "stock": 28.4, "packed": 22.1}))
+    assert kernels._uniform_if_faster([], {}, forms, chosen) == {(8, 4): "packed", (4, 8): "packed"}
+    monkeypatch.setattr(kernels, "pass_times", fake({"mixed": 22.5, "stock": 28.4, "packed": 22.1}))
+    assert kernels._uniform_if_faster([], {}, forms, chosen) == chosen   # within 3%: the mix stays
+    monkeypatch.setattr(kernels, "pass_times", fake({"mixed": 20.0, "stock": 28.4, "packed": 22.1}))
+    assert kernels._uniform_if_faster([], {}, forms, chosen) == chosen
+    uniform = {(8, 4): "stock", (4, 8): "stock"}
+    assert kernels._uniform_if_faster([], {}, forms, uniform) is uniform   # nothing to compare: no passes
