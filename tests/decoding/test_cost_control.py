@@ -90,6 +90,18 @@ def test_the_default_curve_measures_inside_every_kernel_bucket() -> None:
             assert any(low < s < high for s in sizes), (low, high)
 
 
+def test_the_curve_times_sizes_up_and_down_so_one_token_never_follows_the_largest_tree(monkeypatch) -> None:
+    """After the warm-up round, a size is only ever timed right after one of its neighbours (or itself)."""
+    order: list[int] = []
+    monkeypatch.setattr(cost_mod, "_timed_forward", lambda model, cache, step: lambda tree: order.append(len(tree)))
+    sizes = (1, 2, 4, 8, 16)
+    measure_curve(tiny_llama(0), 40, sizes=sizes, repeats=4, progress=False)
+    assert len(order) == 5 * len(sizes)
+    timed = order[len(sizes):]
+    for before, size in zip(timed, timed[1:], strict=False):
+        assert abs(sizes.index(before) - sizes.index(size)) <= 1, (before, size)
+
+
 def test_a_measurement_beats_the_heart_every_round() -> None:
     """A service's stall detector hears from a first measurement while it runs (it is slow, not stuck)."""
     beats: list[float] = []

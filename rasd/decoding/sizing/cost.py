@@ -36,10 +36,10 @@ DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 CONTEXT_BUCKETS = (256, 1024, 2048, 4096)
 # Part of the cache key: bump it whenever the verification kernels change cost, so that curves measured
 # with older kernels are measured again instead of steering tree sizes for ever.
-CURVE_VERSION = 9   # 3: the lean forward; 4: a load probe beside the latencies; 5: one-row kernels tuned;
+CURVE_VERSION = 10  # 3: the lean forward; 4: a load probe beside the latencies; 5: one-row kernels tuned;
 # 6: layer kernels chosen in passes over the whole model (a plain step got cheaper against a tree);
 # 7: sizes between the powers of two (`DEFAULT_SIZES`); 8: kernel forms re-measured when tuned on a busy machine;
-# 9: one form for every layer shape where a whole pass of it beats the per-shape mix
+# 9: one form for every layer shape where a whole pass of it beats the per-shape mix; 10: sizes timed up and down
 # A curve read (and its probe checked) in this process is trusted for this long: a service builds a decoder
 # per request, and reading the file plus timing the probe cost ≈ 12 ms of every request's first token.
 TRUSTED_FOR_S = 60.0
@@ -120,10 +120,12 @@ def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ..
     trees = {size: DraftTree.chain(1, [int(t) for t in torch.randint(0, vocab, (size - 1,), generator=gen)],
                                    "probe") for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
-    # Rounds over all sizes (not all repeats of one size in a row), so drift hits every size alike.
+    # Rounds over all sizes (not all repeats of one size in a row), so drift hits every size alike, in turn up
+    # and down: in rounds all going up, one token always came right after the 64-token forward, and on a 2-core
+    # Xeon curves said 1 and 2 tokens cost the same where decoding paid 8.8% more for two.
     for rep in tqdm(range(repeats + 1), desc="measuring verification cost curve", disable=not progress,
                     leave=False):
-        for size in sizes:
+        for size in (sizes if rep % 2 == 0 else tuple(reversed(sizes))):
             _sync(device)
             t0 = time.perf_counter()
             with fast_kernels():
