@@ -327,9 +327,7 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
 def _measured(model: torch.nn.Module, head: torch.nn.Module | None, known: set[tuple[Any, ...]]) -> bool:
     """Whether every product `_tune` would time for `model` already has a form (then no probe is taken)."""
     approximate = bool(getattr(model, "approximate_products", False))
-    keys = [_key(m.weight, rows, m is head, _approximate(m)) for m in model.modules()
-            if isinstance(m, torch.nn.Linear) and getattr(m, "weight", None) is not None
-            and m.weight.device.type == "cpu" for rows in _BUCKETS]
+    keys = [_key(m.weight, rows, m is head, _approximate(m)) for m in _cpu_linears(model) for rows in _BUCKETS]
     keys += [_key(w, rows, "bare", approximate) for w in getattr(model, "bare_weights", list)() for rows in _BUCKETS]
     return all(k in known for k in keys)
 
@@ -358,9 +356,8 @@ def _load_choices() -> None:
     Why: timing every shape and bucket costs each process that loads a model ≈ 9 s (a serve replica, a
     batch actor, a draft worker, a CLI run), for the same answer every time on the same machine. A forced
     form (`RASD_LINEAR`) reads nothing; a corrupt file is ignored and rewritten by the next measurement.
-    A form measured while the machine was busier than it is now is dropped and measured again (`_tune`): on
-    a 2-core Xeon, forms tuned during a training job kept a 4-token verification at 46 ms where the forms a
-    quiet machine picks take 43."""
+    A form measured while the machine was busier than it is now (a training job or a second replica holding the
+    cores) is dropped and measured again (`_tune`) instead of steering verification for ever."""
     if os.environ.get("RASD_LINEAR", "auto") != "auto":
         return
     path = _choices_file()
@@ -427,8 +424,7 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
     The layers' products are timed as decoding runs them, one after another over the whole model
     (`_sweep`); the LM head alone is larger than any cache, so timing its weight by itself is already fair.
     """
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
-               and getattr(m, "weight", None) is not None and m.weight.device.type == "cpu"]
+    linears = _cpu_linears(model)
     body = [m for m in linears if m is not head]
     approximate = bool(getattr(model, "approximate_products", False))
     if os.environ.get("RASD_LINEAR", "auto") == "auto" and len(body) > 1:
@@ -443,6 +439,12 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
             _PACKS.pop(module, None)   # packed only to be timed
         else:
             _packed_weight(module)
+
+
+def _cpu_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The model's Linear modules with a weight on the CPU: the products whose forms are tuned."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)
+            and getattr(m, "weight", None) is not None and m.weight.device.type == "cpu"]
 
 
 def _key(weight: torch.Tensor, rows: int, head: bool | str, approximate: bool = False) -> tuple[Any, ...]:
