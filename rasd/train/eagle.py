@@ -558,6 +558,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--eval-seqs", type=int, default=128, help="held-out prompts (conversations never trained on)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--order-seed", type=int, default=None,
+                   help="seed of the training order and the input noise only (default: --seed); a new one continues "
+                        "a head (--init) on the same cached answers without replaying its parent's batches")
     p.set_defaults(func=run)
 
 
@@ -652,11 +655,12 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     tokens = sum(len(s) for s in seqs)
     steps = args.steps if args.steps is not None else max(1, math.ceil(args.epochs * len(seqs) / args.batch))
     t1 = time.perf_counter()
-    settings = [len(seqs), args.seq_len, regen, steps, args.batch, args.lr, args.noise, args.cls_weight, args.seed,
+    order_seed = _order_seed(args)
+    settings = [len(seqs), args.seq_len, regen, steps, args.batch, args.lr, args.noise, args.cls_weight, order_seed,
                 args.draft_vocab] + ([args.ttt, str(args.init)] if args.ttt or args.init else [])
     checkpoint = folder / f"checkpoint-{sequences_key(seqs, str(settings))}.pt"   # resumed only with the same settings
     final = train_head(head, data["tokens"], data["feats"], steps, args.batch, args.lr, args.noise,
-                       args.cls_weight, args.seed, checkpoint=checkpoint, ttt=args.ttt)
+                       args.cls_weight, order_seed, checkpoint=checkpoint, ttt=args.ttt)
     train_s = time.perf_counter() - t1
     after = depth_agreement(head, eval_seqs, eval_feats, eval_valid, windows.shape[1])
     used = head.vocab   # with --init, the initial head's vocabulary, not the one this data's counts would pick
@@ -672,8 +676,14 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
               "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
               "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,
               "final_train": final, "features_s": round(features_s, 1), "train_s": round(train_s, 1),
-              "seed": args.seed, "torch_threads": torch.get_num_threads()}
+              "seed": args.seed, "order_seed": order_seed, "torch_threads": torch.get_num_threads()}
     return report, head
+
+
+def _order_seed(args: argparse.Namespace) -> int:
+    """`--order-seed`, else `--seed`: the text stays keyed by --seed while the batches can be drawn anew."""
+    order_seed = getattr(args, "order_seed", None)
+    return args.seed if order_seed is None else order_seed
 
 
 def _start_head(target: torch.nn.Module, vocab: torch.Tensor | None, init: Path | None) -> EagleHead:

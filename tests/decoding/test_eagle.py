@@ -275,7 +275,17 @@ def test_train_eagle_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,  # noq
     assert report2["regenerate"] == 12 and report2["ttt"] and report2["init"] == str(out)
     assert report2["turns"] == [1, 2] and report2["sequences"] == 32, "each conversation's two user turns"
     assert torch.equal(load_file(str(more))["draft_vocab"], first["draft_vocab"])
-    assert list((tmp_path / "home" / "selfgen").rglob("*.pt")), "the regenerated answers are cached"
+    answers = sorted((tmp_path / "home" / "selfgen").rglob("*.pt"))
+    assert answers, "the regenerated answers are cached"
+    # a new --order-seed draws other batches from the same cached answers (keyed by --seed, not written again)
+    other = tmp_path / "head3.safetensors"
+    assert main([*args[:-2], "--eval-seqs", "4", "--out", str(other), "--init", str(out), "--regenerate", "12",
+                 "--ttt", "--steps", "10", "--turns", "1,2", "--order-seed", "7"]) == 0
+    report3 = json.loads(other.with_suffix(".json").read_text())
+    assert (report2["order_seed"], report3["order_seed"]) == (0, 7) and report3["seed"] == 0
+    assert report3["train_tokens"] == report2["train_tokens"]
+    assert sorted((tmp_path / "home" / "selfgen").rglob("*.pt")) == answers
+    assert not torch.equal(load_file(str(other))["fc.weight"], load_file(str(more))["fc.weight"])
 
 
 def test_later_user_turns_are_prompts_of_their_own_and_bad_turn_lists_are_refused(tmp_path: Path,
