@@ -325,13 +325,11 @@ def _second_pass_mask(n1: int, n2: int, device: torch.device | str = "cpu") -> t
     return torch.zeros(visible.shape, device=device).masked_fill_(~visible, torch.finfo(torch.float32).min)[None, None]
 
 
-def _step_loss(head: EagleHead, pred: torch.Tensor, true: torch.Tensor, mask: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(smooth L1, cross-entropy from the target's distribution, top-1 agreement), each masked-mean."""
+def _step_loss(head: EagleHead, pred: torch.Tensor, true: torch.Tensor, target_logp: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(smooth L1, cross-entropy from the target's distribution `target_logp`, top-1 agreement), masked means."""
     denom = mask.sum().clamp(min=1)
     reg = (F.smooth_l1_loss(pred, true, reduction="none").mean(-1) * mask).sum() / denom
-    with torch.no_grad():
-        target_logp = head.logits(true).log_softmax(-1)                  # [B, T', V']
     logq = head.logits(pred).log_softmax(-1)
     ce = (-(target_logp.exp() * logq).sum(-1) * mask).sum() / denom
     top1 = ((logq.argmax(-1) == target_logp.argmax(-1)).float() * mask).sum() / denom
@@ -352,12 +350,15 @@ def head_loss(head: EagleHead, ids: torch.Tensor, feats: torch.Tensor, valid: to
     kv = _StepCache() if ttt else None
     pred = head(inp, ids[:, 1:], pos, kv=kv)                              # [B, T-1, H]: f̂_{t+1}
     true = head.final_features(feats)                                     # the tapped layers are inputs only
-    reg, ce, top1 = _step_loss(head, pred, true[:, 1:], (valid[:, 1:] & valid[:, :-1]).float())
+    with torch.no_grad():
+        target_logp = head.logits(true[:, 1:]).log_softmax(-1)           # [B, T-1, V']: once for both passes
+    reg, ce, top1 = _step_loss(head, pred, true[:, 1:], target_logp, (valid[:, 1:] & valid[:, :-1]).float())
     loss, parts = reg + w_cls * ce, {"reg": reg.item(), "ce": ce.item(), "top1": top1.item()}
     if ttt and ids.shape[1] > 2:
         n1, n2 = pred.shape[1], pred.shape[1] - 1
         pred2 = head(pred[:, :-1], ids[:, 2:], pos[:, 1:] + 1, kv=kv, mask=_second_pass_mask(n1, n2, ids.device))
-        reg2, ce2, top2 = _step_loss(head, pred2, true[:, 2:], (valid[:, 2:] & valid[:, :-2]).float())
+        reg2, ce2, top2 = _step_loss(head, pred2, true[:, 2:], target_logp[:, 1:],
+                                     (valid[:, 2:] & valid[:, :-2]).float())
         loss = loss + reg2 + w_cls * ce2
         parts.update(ce2=ce2.item(), top1_d2=top2.item())
     return loss, parts
