@@ -5,9 +5,9 @@ the measurements of every version, not guessed. Each head continues the one befo
 cumulative: the x axis is the sequence tokens run through training steps by it and its ancestors
 (steps x batch x seq_len, summed). `train_tokens` is the size of the text set a version was last trained
 on (v8-v11 grow one nested set of the target's own answers, one more sampled answer per prompt each).
-Two projections to the bar are printed, and both are extrapolations: a line in log2(training) over the
-versions trained on self-generated text of every user turn, and the last version's gain per added token of
-text.
+The projection to the bar is an extrapolation: a line in log2(training) over the versions trained on
+self-generated text of every user turn. What each of those versions added (text, steps, agreement) is printed
+beside it, so the part of more text and the part of more steps can be read apart.
 
     python scripts/head_progress.py [--reports docs/results] [--png docs/results/head_progress.png]
 """
@@ -111,13 +111,9 @@ def main() -> None:
           f"{icpt:+.3f}; {BAR:.2f} at about {need / 1e6:.0f}M tokens trained "
           f"({need / fitted[-1]['trained']:.1f}x v{fitted[-1]['version']}'s)")
     plot(rows, (slope, icpt), fitted, args.png)
-    last, prev = fitted[-1], fitted[-2]
-    per_token = (last["agreement"]["top1"][0] - prev["agreement"]["top1"][0]) / (
-        last["train_tokens"] - prev["train_tokens"])
-    if per_token > 0:
-        linear = last["train_tokens"] + (BAR - last["agreement"]["top1"][0]) / per_token
-        print(f"at v{prev['version']}->v{last['version']}'s gain per token (+{per_token * 1e6:.4f} per 1M), "
-              f"{BAR:.2f} at a text set of about {linear / 1e6:.0f}M tokens")
+    for prev, row in zip(fitted, fitted[1:], strict=False):
+        print(f"v{prev['version']} -> v{row['version']}: text {row['train_tokens'] - prev['train_tokens']:+,} tokens, "
+              f"{row['steps']} steps, depth-1 top-1 {row['agreement']['top1'][0] - prev['agreement']['top1'][0]:+.3f}")
     print(f"wrote {args.png}")
 
 
