@@ -27,6 +27,12 @@ def shared_data() -> Path:
     return Path(os.environ.get("RASD_DATA", "../shared/data"))
 
 
+def warn_offline_prompts() -> None:
+    """Say so when `builtin` cannot find ShareGPT: a head trained on the fallback is a different head."""
+    print(f"note: no ShareGPT at {shared_data() / SHAREGPT} (set $RASD_DATA or run from the repository): "
+          "--data builtin uses the offline Python-reference prompts", file=sys.stderr)
+
+
 def _json_lines(path: Path) -> Iterator[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as fh:
@@ -60,6 +66,8 @@ def load_prompts(data: str, limit: int | None = None) -> list[str]:
         return load_prompts(str(shared_data() / SHAREGPT), limit)
     if data == BUILTIN:
         from pydoc_data.topics import topics
+
+        warn_offline_prompts()
 
         for key in sorted(topics):
             for para in topics[key].split("\n\n"):

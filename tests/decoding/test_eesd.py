@@ -263,14 +263,16 @@ def test_optree_and_rasd_draft_with_the_self_draft(tmp_path: Path) -> None:
             assert out.stats.num_draft_tokens > 0, method
 
 
-def test_builtin_prompts_are_sharegpt_when_the_shared_data_is_there(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_builtin_prompts_are_sharegpt_when_the_shared_data_is_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """ShareGPT when it is there; else the offline prompts, said on stderr (a silent fallback trains another head)."""
     import gzip
 
     from rasd.train.common import SHAREGPT, load_prompts
 
     monkeypatch.setenv("RASD_DATA", str(tmp_path / "nowhere"))
     assert "Python reference" in load_prompts("builtin", 3)[0]       # offline fallback: CPython's reference
+    assert "no ShareGPT at" in capsys.readouterr().err
     rows = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "answer"}]}
             for i in range(4)]
     (tmp_path / SHAREGPT).parent.mkdir(parents=True)
@@ -278,6 +280,7 @@ def test_builtin_prompts_are_sharegpt_when_the_shared_data_is_there(tmp_path: Pa
         fh.write("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.setenv("RASD_DATA", str(tmp_path))
     assert load_prompts("builtin", 3) == ["question 0", "question 1", "question 2"]
+    assert "no ShareGPT" not in capsys.readouterr().err
 
 
 def test_self_generation_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
