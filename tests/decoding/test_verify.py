@@ -249,20 +249,23 @@ def test_fast_linear_returns_row_major_outputs() -> None:
     torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
-def test_packed_products_follow_weight_changes_and_leave_the_model_picklable(monkeypatch) -> None:
-    """MKL's packed form: a stale packed copy after a weight update, or an unpicklable model, are bugs."""
+@pytest.mark.parametrize("form", ["packed", "onednn"])
+def test_packed_products_follow_weight_changes_and_leave_the_model_picklable(form: str, monkeypatch) -> None:
+    """MKL's and oneDNN's packed forms: a stale packed copy after a weight update, or an unpicklable model, are
+    bugs."""
     import copy
 
     from ray import cloudpickle  # how Ray ships objects to actors
 
     from rasd.decoding import kernels
 
-    if not kernels.packing_available():
-        pytest.skip("this torch has no MKL packed GEMM")
-    monkeypatch.setenv("RASD_LINEAR", "packed")          # read once per shape; this shape is this test's own
-    layer = install(torch.nn.Sequential(torch.nn.Linear(24, 40)))[0]
-    assert kernels.linear_choices()["40x24@8"] == "packed"
-    x = torch.randn(1, 5, 24)
+    if not (kernels.packing_available() if form == "packed" else kernels.onednn_available()):
+        pytest.skip(f"this torch has no {form} GEMM")
+    monkeypatch.setenv("RASD_LINEAR", form)              # read once per shape; this shape is this test's own
+    inputs = {"packed": 24, "onednn": 25}[form]
+    layer = install(torch.nn.Sequential(torch.nn.Linear(inputs, 40)))[0]
+    assert kernels.linear_choices()[f"40x{inputs}@8"] == form
+    x = torch.randn(1, 5, inputs)
     with torch.inference_mode(), fast_kernels():
         before = layer(x)
     torch.testing.assert_close(before, torch.nn.functional.linear(x, layer.weight, layer.bias))
@@ -272,11 +275,14 @@ def test_packed_products_follow_weight_changes_and_leave_the_model_picklable(mon
         after = layer(x)
     torch.testing.assert_close(after, torch.nn.functional.linear(x, layer.weight, layer.bias))
     assert not torch.allclose(after, before)
+    with fast_kernels():                                  # training: the packed copy has no gradient, F.linear does
+        layer(x).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
     restored = cloudpickle.loads(cloudpickle.dumps(layer))
     torch.testing.assert_close(copy.deepcopy(layer).weight, restored.weight)
 
 
-@pytest.mark.parametrize("form", ["stock", "transposed", "packed", "padded"])
+@pytest.mark.parametrize("form", ["stock", "transposed", "packed", "padded", "onednn"])
 def test_every_forced_form_computes_the_product_for_one_row_and_several(form: str, monkeypatch) -> None:
     """A plain step (one row) is tuned like the trees: each form gives F.linear's product (to float
     rounding), and the padded form, which exists for one and three rows, never serves other counts."""
@@ -284,8 +290,10 @@ def test_every_forced_form_computes_the_product_for_one_row_and_several(form: st
 
     if form == "packed" and not kernels.packing_available():
         pytest.skip("this torch has no MKL packed GEMM")
+    if form == "onednn" and not kernels.onednn_available():
+        pytest.skip("this torch has no oneDNN linear")
     monkeypatch.setenv("RASD_LINEAR", form)
-    out_features = {"stock": 41, "transposed": 42, "packed": 43, "padded": 44}[form]   # shapes of its own
+    out_features = {"stock": 41, "transposed": 42, "packed": 43, "padded": 44, "onednn": 48}[form]   # shapes of its own
     layer = install(torch.nn.Sequential(torch.nn.Linear(24, out_features)))[0]
     for rows in (1, 3, 5):
         x = torch.randn(1, rows, 24)
