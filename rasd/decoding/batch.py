@@ -29,7 +29,7 @@ from rasd.decoding import fast_forward
 from rasd.decoding.cache import MIN_CAPACITY, GrowableLayer, TreeCache, drop_rows
 from rasd.decoding.engine import GenerationStream
 from rasd.decoding.features import row_features
-from rasd.decoding.kernels import fast_kernels
+from rasd.decoding.kernels import fast_kernels, prefill_products
 from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.sizing.batch import BatchSizer
 from rasd.decoding.sizing.cost import CostCurve
@@ -306,7 +306,8 @@ class BatchDecoder:
         rest = job.stream.prompt_ids[job.done:]
         ids = torch.tensor([rest], dtype=torch.long, device=self.device)
         pos = torch.arange(job.done, job.done + len(rest), device=self.device)[None]
-        logits = fast_forward.forward(self.model, job.cache, ids, pos, last_only=True)
+        with prefill_products():   # as a whole-prompt prefill computes it (`GenerationStream.begin`)
+            logits = fast_forward.forward(self.model, job.cache, ids, pos, last_only=True)
         job.stream.feed_features(job.done, row_features(self.model))
         return [(job.stream, self._joined(job.stream, job.cache, job.stream.first_token(logits[0, -1])))]
 

@@ -18,7 +18,7 @@ from rasd.decoding import fast_forward
 from rasd.decoding.cache import TreeCache, cache_kwargs
 from rasd.decoding.features import row_features, shared_tap
 from rasd.decoding.history import ResponseHistory
-from rasd.decoding.kernels import fast_kernels, install
+from rasd.decoding.kernels import fast_kernels, install, prefill_products
 from rasd.decoding.logits import LogitsProcessors
 from rasd.decoding.proposers import Proposer, RecyclingMatrix
 from rasd.decoding.proposers.registry import METHODS, DecoderSetup, make_proposer, method_spec
@@ -256,12 +256,13 @@ class GenerationStream:
         self.stats.cached_prompt_tokens = cached
         dec = self.decoder
         ids = torch.tensor([self.prompt_ids[cached:]], dtype=torch.long, device=dec.device)
-        if cached:   # the lean path runs the rest of the prompt as the same causal kernel (`fast_forward._layer`)
-            pos = torch.arange(cached, len(self.prompt_ids), device=dec.device)[None]
-            logits = fast_forward.forward(dec.model, cache, ids, pos, last_only=True)[0, -1]
-        else:
-            out = dec.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(dec.model, cache))
-            logits = out.logits[0, -1]
+        with prefill_products():   # the same products with or without a prefix hit: bit for bit the same logits
+            if cached:   # the lean path runs the rest of the prompt as the same causal kernel (`fast_forward._layer`)
+                pos = torch.arange(cached, len(self.prompt_ids), device=dec.device)[None]
+                logits = fast_forward.forward(dec.model, cache, ids, pos, last_only=True)[0, -1]
+            else:
+                out = dec.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(dec.model, cache))
+                logits = out.logits[0, -1]
         self.feed_features(cached, row_features(dec.model))
         return self.first_token(logits)
 

@@ -94,6 +94,11 @@ def fast_enabled() -> bool:
     return getattr(_state, "on", False)
 
 
+def _tuned_products() -> bool:
+    """Whether products take their tuned forms here: inside `fast_kernels()`, outside `prefill_products()`."""
+    return fast_enabled() and not getattr(_state, "prefill", False)
+
+
 def packing_available() -> bool:
     """Whether this torch has MKL's packed GEMM (x86 builds with MKL)."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
@@ -107,7 +112,7 @@ def onednn_available() -> bool:
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`F.linear`, or on CPU inside `fast_kernels()` for 1-64 rows, the form measured fastest for M."""
-    if not fast_enabled() or x.device.type != "cpu" or x.dim() < 2:
+    if not _tuned_products() or x.device.type != "cpu" or x.dim() < 2:
         return F.linear(x, self.weight, self.bias)
     rows = x.reshape(-1, x.shape[-1])   # [M, in]
     head = getattr(self, "_rasd_head", False)
@@ -172,7 +177,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, approximate: bool = False) ->
     form: there is no module to keep a packed copy on. `approximate`: the `HALF` form may be chosen (a draft's
     product, whose result only proposes tokens).
     """
-    if not fast_enabled() or x.device.type != "cpu":
+    if not _tuned_products() or x.device.type != "cpu":
         return F.linear(x, weight)
     rows = x.reshape(-1, x.shape[-1])   # [M, in]
     if rows.shape[0] > _MAX_TUNED_ROWS:
@@ -572,6 +577,22 @@ def pass_times(modules: list[torch.nn.Linear], inputs: dict[int, torch.Tensor], 
                 slot = best.setdefault(shape, {})
                 slot[name] = min(slot.get(name, float("inf")), total)
     return best
+
+
+@contextmanager
+def prefill_products() -> Iterator[None]:
+    """Inside `fast_kernels()`, compute every product as `F.linear` for the block (attention keeps its kernels).
+
+    Why: the rest of a prompt after a prefix-cache hit is a few rows, which a tuned form would multiply; its
+    logits and keys must equal a whole-prompt prefill's bit for bit (hundreds of rows, always `F.linear`), or a
+    request would decode differently with and without the cache. oneDNN's packed rows, for one, differ from MKL's
+    in the last bit."""
+    previous = getattr(_state, "prefill", False)
+    _state.prefill = True
+    try:
+        yield
+    finally:
+        _state.prefill = previous
 
 
 @contextmanager

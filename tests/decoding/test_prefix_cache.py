@@ -157,15 +157,16 @@ def docqa_prompts(loaded: Any, count: int) -> list[list[int]]:
 def test_embedded_model_prefix_reuse_is_bit_identical_to_a_full_prefill(loaded: Any) -> None:
     """Blocks of one document-QA prompt (its system message and chat template) serve another, and a
     prompt's own blocks serve it again: the first token's logits, as the batch computes them after a hit
-    (lean forward, padded causal kernel), equal HF's full prefill exactly; so do the prompt's keys."""
+    (lean forward, padded causal kernel, `prefill_products` as `GenerationStream.begin` runs it), equal HF's full
+    prefill exactly, whatever forms this machine tuned for few rows; so do the prompt's keys."""
     from rasd.decoding import fast_forward
-    from rasd.decoding.kernels import fast_kernels, install
+    from rasd.decoding.kernels import fast_kernels, install, prefill_products
 
     model = loaded.model
     install(model)
     first, second = docqa_prompts(loaded, 2)
     pc = PrefixCache(max_bytes=1 << 30)
-    with fast_kernels(True), torch.inference_mode():
+    with fast_kernels(True), prefill_products(), torch.inference_mode():
         pc.store(first, prefill(model, first)[0])
         for prompt in (second, first):
             cache = TreeCache.for_model(model)
@@ -176,6 +177,39 @@ def test_embedded_model_prefix_reuse_is_bit_identical_to_a_full_prefill(loaded: 
             full_cache, full = prefill(model, prompt)
             assert torch.equal(reused, full), f"logits differ with {hit} reused tokens"
             assert all(torch.equal(a.keys, b.keys) for a, b in zip(cache.layers, full_cache.layers, strict=True))
+
+
+def test_a_prompt_after_a_prefix_hit_gets_a_whole_prefills_keys_whatever_form_few_rows_take(loaded: Any,
+                                                                                             monkeypatch) -> None:
+    """`GenerationStream.begin` after a prefix hit runs the prompt's last few rows, which a tuned kernel form
+    would multiply (oneDNN's packed rows differ from MKL's `F.linear` in the last bit): its keys must still equal
+    the whole prompt's prefill bit for bit, or a request would decode differently with and without the cache.
+    The few-row forms are forced to oneDNN's here, so the check does not depend on what this machine tuned."""
+    from rasd.decoding import kernels
+    from rasd.decoding.engine import build_decoder
+
+    if not kernels.onednn_available():
+        pytest.skip("this torch has no oneDNN linear")
+    model = loaded.model
+    kernels.install(model)
+    for module in kernels._cpu_linears(model):
+        for rows in kernels._BUCKETS:
+            key = kernels._key(module.weight, rows, module is model.get_output_embeddings(), False)
+            monkeypatch.setitem(kernels._CHOICES, key, kernels.ONEDNN)
+    prompt = docqa_prompts(loaded, 1)[0]
+    decoder = build_decoder(loaded, "ar")
+    whole = TreeCache.for_model(model)
+    with kernels.fast_kernels(True), torch.inference_mode():
+        first = decoder.stream(prompt, 2).begin(whole)
+    pc = PrefixCache(max_bytes=1 << 30)
+    pc.store(prompt, whole)
+    after_hit = TreeCache.for_model(model)
+    hit = pc.fill(after_hit, prompt)
+    assert 0 < hit < len(prompt) and len(prompt) - hit <= kernels._MAX_TUNED_ROWS
+    with kernels.fast_kernels(True), torch.inference_mode():
+        again = decoder.stream(prompt, 2).begin(after_hit, hit)
+    assert again == first
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(after_hit.layers, whole.layers, strict=True))
 
 
 @pytest.mark.slow
