@@ -85,6 +85,7 @@ _PACKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], torch.
     weakref.WeakKeyDictionary()
 _DNN_PACKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], torch.Tensor]] = \
     weakref.WeakKeyDictionary()   # the same for oneDNN's packed layout (`ONEDNN`)
+_PACK_STORES = {PACKED: _PACKS, ONEDNN: _DNN_PACKS}
 # id(weight) -> (weak reference to it, (pointer, version), its half copy): the `HALF` form's weights
 _HALVES: dict[int, tuple[Any, tuple[int, int], torch.Tensor]] = {}
 
@@ -122,10 +123,8 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if form == STOCK or (form in _PACKED_FORMS and torch.is_grad_enabled()
                          and (self.weight.requires_grad or x.requires_grad)):   # packed copies carry no gradient
         return F.linear(x, self.weight, self.bias)
-    if form == PACKED:
-        out = torch.ops.mkl._mkl_linear(rows, _packed_weight(self), self.weight, self.bias, rows.shape[0])
-    elif form == ONEDNN:
-        out = _dnn_linear(rows, _packed_weight(self, ONEDNN), self.bias)
+    if form in _PACKED_FORMS:
+        out = _packed_product(form, rows, _packed_weight(self, form), self.weight, self.bias)
     elif form == HALF:
         out = _half(self.weight, rows)
         if self.bias is not None:
@@ -218,12 +217,15 @@ def _pack(weight: torch.Tensor, form: str = PACKED) -> torch.Tensor:
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_ROWS)
 
 
-def _dnn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's product of `rows` [M, in] with a weight packed by `_pack(.., ONEDNN)`: [M, out].
+def _packed_product(form: str, rows: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """`rows` [M, in] times a weight packed by `_pack(weight, form)`: [M, out].
 
-    Why: on a 2-core AMD EPYC (AVX-512) MKL's `F.linear` for 5-8 rows took a verification forward from 36 ms
-    (4 tokens) to 56, and the 49,152 x 576 LM head at 8 rows cost 7.5 ms transposed against 4.3 here."""
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    Why oneDNN beside MKL: on a 2-core AMD EPYC (AVX-512) MKL's `F.linear` for 5-8 rows took a verification forward
+    from 36 ms (4 tokens) to 56, and the 49,152 x 576 LM head at 8 rows cost 7.5 ms transposed against 4.3 here."""
+    if form == ONEDNN:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
 
 
 def _packed_weight(module: torch.nn.Linear, form: str = PACKED) -> torch.Tensor:
@@ -232,7 +234,7 @@ def _packed_weight(module: torch.nn.Linear, form: str = PACKED) -> torch.Tensor:
     Why the check: a model fine-tuned or loaded into after `install` (training the EESD head, tests that
     copy weights in) must not keep multiplying by a stale copy.
     """
-    packs = _DNN_PACKS if form == ONEDNN else _PACKS
+    packs = _PACK_STORES[form]
     weight = module.weight
     stamp = (weight.data_ptr(), weight._version)
     cached = packs.get(module)
@@ -256,9 +258,7 @@ def _form(weight: torch.Tensor, rows: int, head: bool, bare: bool = False, appro
     choice = _CHOICES.get(key)
     if choice is None:   # the environment is read here, once per key, not on every product
         forced = os.environ.get("RASD_LINEAR", "auto")
-        if forced == PACKED and (bare or not _can_pack(weight)):
-            forced = STOCK
-        if forced == ONEDNN and (bare or not _can_pack_dnn(weight)):
+        if forced in _PACKED_FORMS and (bare or not _can_pack(weight, forced)):
             forced = STOCK
         if forced == PADDED:   # padding is a one- and three-row form
             forced = _unpacked_form(key[2])
@@ -273,12 +273,9 @@ def _form(weight: torch.Tensor, rows: int, head: bool, bare: bool = False, appro
     return choice
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
-    return packing_available() and weight.dtype == torch.float32 and weight.device.type == "cpu"
-
-
-def _can_pack_dnn(weight: torch.Tensor) -> bool:
-    return onednn_available() and weight.dtype == torch.float32 and weight.device.type == "cpu"
+def _can_pack(weight: torch.Tensor, form: str = PACKED) -> bool:
+    available = onednn_available() if form == ONEDNN else packing_available()
+    return available and weight.dtype == torch.float32 and weight.device.type == "cpu"
 
 
 @torch.inference_mode()
@@ -290,12 +287,10 @@ def _time_forms(weight: torch.Tensor, rows: int, head: bool, cold: bool = False,
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
     unpacked = _unpacked_form(rows)
     forms: dict[str, Any] = {STOCK: lambda: F.linear(x, weight), unpacked: lambda: _unpacked(unpacked, weight, x, head)}
-    if _can_pack(weight) and packable:
-        packed = _pack(weight)
-        forms[PACKED] = lambda: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
-    if _can_pack_dnn(weight) and packable:
-        dnn = _pack(weight, ONEDNN)
-        forms[ONEDNN] = lambda: _dnn_linear(x, dnn, None)
+    for form in _PACKED_FORMS if packable else ():
+        if _can_pack(weight, form):
+            packed = _pack(weight, form)
+            forms[form] = lambda f=form, p=packed: _packed_product(f, x, p, weight, None)
     if approximate and weight.device.type == "cpu":
         forms[HALF] = lambda: _half(weight, x)
     best = dict.fromkeys(forms, float("inf"))
@@ -474,7 +469,7 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
             _form(weight, rows, True, bare=True, approximate=approximate)
     for module in linears:
         forms = {_form(module.weight, rows, module is head, approximate=_approximate(module)) for rows in _BUCKETS}
-        for form, packs in ((PACKED, _PACKS), (ONEDNN, _DNN_PACKS)):
+        for form, packs in _PACK_STORES.items():
             if form not in forms:
                 packs.pop(module, None)   # packed only to be timed
             else:
@@ -514,14 +509,11 @@ def _sweep(modules: list[torch.nn.Linear], rows: int) -> None:
     unpacked = _unpacked_form(rows)
     forms: dict[str, Any] = {STOCK: lambda m, x: F.linear(x, m.weight),
                              unpacked: lambda m, x: _unpacked(unpacked, m.weight, x, False)}
-    if all(_can_pack(m.weight) for m in todo):
-        forms[PACKED] = lambda m, x: torch.ops.mkl._mkl_linear(x, _packed_weight(m), m.weight, None, rows)
-        for m in todo:
-            _packed_weight(m)
-    if all(_can_pack_dnn(m.weight) for m in todo):
-        forms[ONEDNN] = lambda m, x: _dnn_linear(x, _packed_weight(m, ONEDNN), None)
-        for m in todo:
-            _packed_weight(m, ONEDNN)
+    for form in _PACKED_FORMS:
+        if all(_can_pack(m.weight, form) for m in todo):
+            forms[form] = lambda m, x, f=form: _packed_product(f, x, _packed_weight(m, f), m.weight, None)
+            for m in todo:
+                _packed_weight(m, form)
     if approximate:
         forms[HALF] = lambda m, x: _half(m.weight, x)
     one_of = {(int(m.weight.shape[0]), int(m.weight.shape[1])): m.weight for m in todo}
