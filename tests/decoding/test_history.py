@@ -312,3 +312,21 @@ def test_a_batch_shares_one_history_and_remembers_its_answers() -> None:
     assert_greedy_equal(model, other, outs[1].token_ids, hf_greedy(model, other, 30), label="other")
     assert outs[0].stats.accepted_by_source[HISTORY] > 10
     assert sorted(weight for _, weight in stored(history)) == [1, 2], "the repeat counted twice, the other added"
+
+
+def test_rasd_with_a_drafter_drafts_only_from_long_history_matches() -> None:
+    """Beside a drafter a 1-3 token history match is noise that took steps from it; 4 tokens or more stay."""
+    from rasd.decoding.proposers.rasd import HISTORY_MIN_MATCH_WITH_DRAFT
+    from rasd.decoding.sampling import SamplingParams
+    from tests.decoding.test_recycling import ChainDraft
+
+    history = ResponseHistory(prompt_tail=0)
+    history.add([], list(range(10, 60)))
+    for matched in (1, HISTORY_MIN_MATCH_WITH_DRAFT - 1, HISTORY_MIN_MATCH_WITH_DRAFT):
+        context = [1, 2] + list(range(10, 10 + matched))
+        alone = make_proposer("rasd", history=history)
+        drafting = make_proposer("rasd", history=history, draft_proposer=ChainDraft([3]))
+        for proposer in (alone, drafting):
+            proposer.start(context, SamplingParams())
+        assert HISTORY in alone.propose(context, 16).sources
+        assert (HISTORY in drafting.propose(context, 16).sources) == (matched >= HISTORY_MIN_MATCH_WITH_DRAFT)

@@ -319,3 +319,37 @@ def test_recycling_sampling_is_exact() -> None:
     assert proposer.max_root_children >= 2
     assert 50 < accepted < 1900, f"acceptances {accepted}: both outcomes must be exercised"
     check_against_exact(counts, joint, "recycling T=1")
+
+
+class ChainDraft:
+    """A drafter that proposes a fixed chain (or nothing): which sources `rasd` adds beside a draft is pure logic."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        pass
+
+    def propose(self, context: list[int], max_nodes: int) -> DraftTree:
+        return DraftTree.chain(context[-1], self.tokens[:max_nodes], "draft")
+
+    def root_probs(self, context: list[int]) -> None:
+        return None
+
+
+def test_rasd_recycles_beside_no_draft_tree_on_a_steep_curve() -> None:
+    """The recycled tree is a fallback for steps where no source has a guess: a draft tree is one. (Drafts 0, 1:
+    tokens the matrix does not propose after 6, so no node is credited to recycling instead.)"""
+    for recycle_when, options in (("fallback", {}), ("auto", {"flat_curve": lambda n: False})):
+        drafting = make_proposer("rasd", recycling=hand_matrix(), draft_proposer=ChainDraft([0, 1]),
+                                 recycle_when=recycle_when, **options)
+        drafting.start([5, 6], SamplingParams())
+        assert drafting.propose([5, 6], 8).sources[1:] == ["draft", "draft"], recycle_when
+        silent = make_proposer("rasd", recycling=hand_matrix(), draft_proposer=ChainDraft([]),
+                               recycle_when=recycle_when, **options)
+        silent.start([5, 6], SamplingParams())
+        assert set(silent.propose([5, 6], 8).sources[1:]) == {"recycling"}, recycle_when
+    flat = make_proposer("rasd", recycling=hand_matrix(), draft_proposer=ChainDraft([0, 1]), recycle_when="auto",
+                         flat_curve=lambda n: True)
+    flat.start([5, 6], SamplingParams())
+    assert {"draft", "recycling"} <= set(flat.propose([5, 6], 8).sources)

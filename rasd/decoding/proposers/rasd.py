@@ -53,6 +53,12 @@ from rasd.decoding.verify import Verdict
 # faster with the EAGLE head (docs/methods.md, "Which sources `rasd` uses").
 CONTEXT_MIN_NGRAM_WITH_DRAFT = 2
 
+# The shortest match in the response history that `rasd` drafts from when it has a drafter (without one: 1, as
+# SuffixDecoding). Why: the history is there for answers being repeated, which match long; beside the EAGLE head a
+# 1-3 token match was right 12% of the time against the head's 29%, and it counted as a match, so the draft gate
+# ran steps without the head (docs/lab-notes/eagle.md, 2026-12-06, fifth session).
+HISTORY_MIN_MATCH_WITH_DRAFT = 4
+
 if TYPE_CHECKING:   # the index package may pull in heavy deps (FAISS); import it lazily
     from rasd.decoding.history import ResponseHistory
     from rasd.index.suffix_array import SuffixArray
@@ -76,8 +82,10 @@ class RasdProposer:
             retrieval_options.setdefault("context_min_ngram", CONTEXT_MIN_NGRAM_WITH_DRAFT)
         self.retrieval = RetrievalProposer(datastores, **retrieval_options)
         self.history = history   # the engine adds each finished response here (`GenerationStream.finish`)
-        self.from_history = (None if history is None
-                             else SuffixProposer(history, use_context=False, **(history_options or {})))
+        history_options = dict(history_options or {})
+        if self.draft is not None:
+            history_options.setdefault("min_match", HISTORY_MIN_MATCH_WITH_DRAFT)
+        self.from_history = None if history is None else SuffixProposer(history, use_context=False, **history_options)
         self.recycling = None if recycling is None else RecyclingProposer(recycling, **(recycling_options or {}))
         if recycle_when not in ("fallback", "always", "auto"):
             raise ValueError(f"unknown recycle_when {recycle_when!r}; choose fallback, always or auto")
@@ -180,8 +188,8 @@ class RasdProposer:
         # chunks are in the prompt and small models repeat their own phrasing, so it is the best-accepted
         # source (measured on LongBench QA rows); retrieval branches, pruned, fill the remaining budget.
         # Recycled guesses come last: they exist at every step, but are less often right than a long match.
-        recycled = ([self.recycling.propose(context, max_nodes)] if not single and self._recycle(context, trees)
-                    else [])
+        recycled = ([self.recycling.propose(context, max_nodes)]
+                    if not single and self._recycle(context, trees, tree.num_draft_tokens > 0) else [])
         # the longer of the two copying matches first (the request's own text on a tie), as retrieval orders its
         # sources: a long history match is an earlier answer being repeated, a 1-token one is noise
         copying = sorted((*own, *earlier), key=lambda t: -t.bucket)
@@ -219,18 +227,21 @@ class RasdProposer:
         longest = max((t.bucket for t in trees if t.num_draft_tokens), default=0)
         return 0 if longest == 0 else 1 if longest < 4 else 2
 
-    def _recycle(self, context: list[int], trees: list[DraftTree]) -> bool:
-        """Whether to add the recycled tree: always, ("fallback") only when nothing else matched, or ("auto")
-        always where the cost curve is flat and as a fallback where it is steep.
+    def _recycle(self, context: list[int], trees: list[DraftTree], drafted: bool) -> bool:
+        """Whether to add the recycled tree: always, ("fallback") only when no other source has a guess (no
+        match, and no draft tree this step), or ("auto") always where the cost curve is flat and as a fallback
+        where it is steep.
 
         Measured on LongBench QA rows on the CPU: added at every step, recycled nodes filled the budget beside
         the context's continuation and were rarely right there (44 of 1181 accepted), making trees 1.8x larger
-        at a steep cost per node. On an H200 the curve is flat (64 tokens cost 3% more than 1) and recycling
-        alone was the best source on Spec-Bench (docs/lab-notes/gpu.md): extra nodes are nearly free there.
+        at a steep cost per node. Beside the EAGLE head's tree they were right 14% of the time against the
+        head's 26%, and took its room (docs/lab-notes/eagle.md, 2026-12-06, fifth session). On an H200 the
+        curve is flat (64 tokens cost 3% more than 1) and recycling alone was the best source on Spec-Bench
+        (docs/lab-notes/gpu.md): extra nodes are nearly free there.
         """
         if self.recycling is None:
             return False
-        if self.recycle_when == "always" or not any(t.num_draft_tokens for t in trees):
+        if self.recycle_when == "always" or not (drafted or any(t.num_draft_tokens for t in trees)):
             return True
         return self.recycle_when == "auto" and self.flat_curve is not None and self.flat_curve(len(context))
 
