@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from rasd.decoding.cache import TreeCache, cache_kwargs
-from rasd.decoding.kernels import fast_enabled
+from rasd.decoding.kernels import GATE_UP, QKV, fast_enabled, projections
 
 # Architectures whose decoder layer is exactly: pre-norm attention (q/k/v/o Linear, rotary, GQA) + pre-norm
 # gated SiLU MLP, RMSNorm in float32 — what `_layer` below computes.
@@ -109,9 +109,7 @@ def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Ten
     batch, length = hidden.shape[:2]
     x = _rms(hidden, layer.input_layernorm)
     shape = (batch, length, -1, attn.head_dim)
-    q = attn.q_proj.forward(x).view(shape).transpose(1, 2)              # [B, H, T, D]
-    k = attn.k_proj.forward(x).view(shape).transpose(1, 2)              # [B, H_kv, T, D]
-    v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
+    q, k, v = (t.view(shape).transpose(1, 2) for t in projections(attn, QKV, x))   # [B, H or H_kv, T, D]
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     k, v = kv.update(k, v)                                               # [B, H_kv, past + T, D]
     if pad:
@@ -125,8 +123,8 @@ def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Ten
 def _mlp_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The layer's second half: pre-norm gated SiLU MLP plus its residual."""
     mlp = layer.mlp
-    x = _rms(hidden, layer.post_attention_layernorm)
-    return hidden + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+    gate, up = projections(mlp, GATE_UP, _rms(hidden, layer.post_attention_layernorm))
+    return hidden + mlp.down_proj.forward(F.silu(gate) * up)
 
 
 def _rms(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
@@ -195,7 +193,7 @@ def _layer_mixed(layer: torch.nn.Module, kvs: tuple[Any, Any], hidden: torch.Ten
     batch, width = shape
     rows = batch * width
     x = _rms(hidden, layer.input_layernorm)
-    q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)
+    q, k, v = projections(attn, QKV, x)
     outs = []
     for part, (kv, (cos, sin), mask) in enumerate(zip(kvs, ropes, masks, strict=True)):
         sl = slice(0, rows) if part == 0 else slice(rows, None)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from rasd.decoding import fast_forward
 from rasd.decoding.cache import TreeCache, drop_rows
 from rasd.decoding.features import norm_tap
+from rasd.decoding.kernels import QKV, projections
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.tree import DraftTree
 from rasd.decoding.verify import Process, Verdict, accept
@@ -296,9 +297,7 @@ def _layer(layer: torch.nn.Module, store: torch.Tensor, hidden: torch.Tensor,
     batch, length = hidden.shape[:2]
     x = fast_forward._rms(hidden, layer.input_layernorm)
     shape = (batch, length, -1, attn.head_dim)
-    q = attn.q_proj.forward(x).view(shape).transpose(1, 2)              # [Bb, H, Tb, D]
-    k = attn.k_proj.forward(x).view(shape).transpose(1, 2)              # [Bb, H_kv, Tb, D]
-    v = attn.v_proj.forward(x).view(shape).transpose(1, 2)
+    q, k, v = (t.view(shape).transpose(1, 2) for t in projections(attn, QKV, x))
     cos, sin = rope
     q, k = fast_forward._rotate(q, cos, sin), fast_forward._rotate(k, cos, sin)
     store[0].index_copy_(2, write, k)

@@ -176,3 +176,58 @@ def test_a_step_with_a_prompt_chunk_stacked_on_it_gives_both_their_own_results(o
     torch.testing.assert_close(second[:6].view(2, 3, -1), ref_rows, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(second[6], ref_chunk, rtol=1e-5, atol=1e-5)
     assert chunk_cache.get_seq_length() == len(prompt)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, _qwen2])
+def test_stacked_projections_follow_their_parts_and_leave_the_model_as_it_was(make) -> None:
+    """q/k/v and gate/up run as one product each in tree steps (`kernels.stack_products`): same results as the
+    parts (Qwen2's biases too), no new module or key, no copy of the weights, and a part changed in place or
+    replaced afterwards is what gets multiplied."""
+    import copy
+
+    from ray import cloudpickle  # how Ray ships objects to actors
+
+    from rasd.decoding.kernels import QKV, prefill_products, projections
+
+    model = copy.deepcopy(make(0))   # its own: this test changes weights, and `tiny_llama` is shared
+    keys = list(model.state_dict())
+    install(model)
+    assert list(model.state_dict()) == keys and not any("stack" in k for k in keys)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+    x = torch.randn(1, 5, model.config.hidden_size)
+
+    def both(owner, names):
+        with torch.inference_mode(), fast_kernels():
+            fused = projections(owner, names, x)
+        return fused, [torch.nn.functional.linear(x, getattr(owner, n).weight, getattr(owner, n).bias) for n in names]
+
+    for owner, names in ((attn, QKV), (mlp, ("gate_proj", "up_proj"))):
+        fused, parts = both(owner, names)
+        assert [t.shape for t in fused] == [t.shape for t in parts]
+        for a, b in zip(fused, parts, strict=True):
+            torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(-2.0)                     # in place: the stacked weight is the same memory
+    before = both(attn, QKV)
+    torch.testing.assert_close(before[0][1], before[1][1])
+    attn.v_proj.weight = torch.nn.Parameter(torch.randn_like(attn.v_proj.weight))   # replaced: parts again
+    after = both(attn, QKV)
+    assert torch.equal(after[0][2], after[1][2])
+    with torch.inference_mode(), fast_kernels(), prefill_products():   # a prompt's forward never stacks
+        assert all(torch.equal(a, b) for a, b in zip(projections(mlp, ("gate_proj", "up_proj"), x), both(mlp, (
+            "gate_proj", "up_proj"))[1], strict=True))
+    layer = model.model.layers[0]   # its parts are views of the stacked weights: they still pickle and copy
+    restored = cloudpickle.loads(cloudpickle.dumps(layer))
+    torch.testing.assert_close(copy.deepcopy(layer).self_attn.q_proj.weight, restored.self_attn.q_proj.weight)
+
+
+def test_stacked_projections_leave_gradients_to_the_parts() -> None:
+    """Training through the lean layer (fast kernels on, gradients on): each part gets its own gradient."""
+    from rasd.decoding.kernels import QKV, projections
+
+    model = install(tiny_llama(0))
+    attn = model.model.layers[0].self_attn
+    with fast_kernels():
+        sum(t.sum() for t in projections(attn, QKV, torch.randn(1, 3, model.config.hidden_size))).backward()
+    assert all(getattr(attn, n).weight.grad is not None for n in QKV)

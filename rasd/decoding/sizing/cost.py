@@ -36,11 +36,12 @@ DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 CONTEXT_BUCKETS = (256, 1024, 2048, 4096)
 # Part of the cache key: bump it whenever the verification kernels change cost, so that curves measured
 # with older kernels are measured again instead of steering tree sizes for ever.
-CURVE_VERSION = 11  # 3: the lean forward; 4: a load probe beside the latencies; 5: one-row kernels tuned;
+CURVE_VERSION = 12  # 3: the lean forward; 4: a load probe beside the latencies; 5: one-row kernels tuned;
 # 6: layer kernels chosen in passes over the whole model (a plain step got cheaper against a tree);
 # 7: sizes between the powers of two (`DEFAULT_SIZES`); 8: kernel forms re-measured when tuned on a busy machine;
 # 9: one form for every layer shape where a whole pass of it beats the per-shape mix; 10: sizes timed up and down;
-# 11: oneDNN's packed form among the kernel forms (5-16 tree tokens a third cheaper on an AMD EPYC)
+# 11: oneDNN's packed form among the kernel forms (5-16 tree tokens a third cheaper on an AMD EPYC);
+# 12: q/k/v and gate/up stacked into one product each (`fast_forward.projections`)
 # A curve read (and its probe checked) in this process is trusted for this long: a service builds a decoder
 # per request, and reading the file plus timing the probe cost ≈ 12 ms of every request's first token.
 TRUSTED_FOR_S = 60.0
