@@ -53,7 +53,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -90,14 +90,25 @@ _PACKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], torch.
 _DNN_PACKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], torch.Tensor]] = \
     weakref.WeakKeyDictionary()   # the same for oneDNN's packed layout (`ONEDNN`)
 _PACK_STORES = {PACKED: _PACKS, ONEDNN: _DNN_PACKS}
-# model -> its stacked q/k/v and gate/up Linears (`stack_products`), tuned with its own
-_STACKED: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Linear]] = weakref.WeakKeyDictionary()
-# owner (an attention or MLP) -> (one Linear over its parts' stacked weights, their output sizes, the parts' weight
-# pointers when stacked): `stack_products`. Kept off the module, so state_dict, pickling and deep copies of a
-# model see its own modules only.
-_STACKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.nn.Linear, list[int], tuple[int, ...]]] = \
-    weakref.WeakKeyDictionary()
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")   # parts that read the same input
+
+
+class Stack(NamedTuple):
+    """One Linear over an owner's parts' stacked weights (`stack_products`), and what it was stacked from."""
+
+    linear: torch.nn.Linear
+    names: tuple[str, ...]      # the parts (QKV or GATE_UP)
+    sizes: list[int]            # their output sizes, to split the stacked product
+    pointers: tuple[int, ...]   # their weights' pointers when stacked
+
+    def holds(self, owner: torch.nn.Module) -> bool:
+        """Whether the owner's parts are still views of this stack (a part whose weight was replaced is not)."""
+        return self.pointers == _part_pointers(owner, self.names)
+
+
+# owner (an attention or MLP) -> its `Stack`. Kept off the module, so state_dict, pickling and deep copies of a
+# model see its own modules only.
+_STACKS: weakref.WeakKeyDictionary[torch.nn.Module, Stack] = weakref.WeakKeyDictionary()
 # id(weight) -> (weak reference to it, (pointer, version), its half copy): the `HALF` form's weights
 _HALVES: dict[int, tuple[Any, tuple[int, int], torch.Tensor]] = {}
 
@@ -348,8 +359,8 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     approximate = bool(getattr(model, "approximate_products", False))
     if not approximate:   # q/k/v and gate/up as one product each in tree steps (`projections`)
-        _STACKED[model] = stack_products(model)
-    for module in [*model.modules(), *_STACKED.get(model, ())]:
+        stack_products(model)
+    for module in [*model.modules(), *_stacked_linears(model)]:
         if not isinstance(module, torch.nn.Linear):
             continue
         if not getattr(module, "_rasd_fast", False):
@@ -382,33 +393,28 @@ def projections(owner: torch.nn.Module, names: tuple[str, ...], x: torch.Tensor)
     which never stacks (`prefill_products`, so a prefix hit keeps a whole prefill's bits)."""
     fused = (_STACKS.get(owner) if x.device.type == "cpu" and tuned_products() and not torch.is_grad_enabled()
              else None)   # under gradients the parts' own products: the stacked weight carries none
-    if fused is not None and fused[2] == tuple(getattr(owner, n).weight.data_ptr() for n in names):
-        return fused[0].forward(x).split(fused[1], dim=-1)
+    if fused is not None and fused.names == names and fused.holds(owner):
+        return fused.linear.forward(x).split(fused.sizes, dim=-1)
     return tuple(getattr(owner, n).forward(x) for n in names)
 
 
 @torch.no_grad()
-def stack_products(model: torch.nn.Module) -> list[torch.nn.Linear]:
+def stack_products(model: torch.nn.Module) -> None:
     """Stack the q/k/v weights of every attention and the gate/up weights of every MLP into one Linear per group
     (`projections`); the parts' weights become views of the stacked one, so memory does not grow and an in-place
     change of a part (a load, an optimiser step) is seen by both. A part whose weight is later replaced is seen by
-    `projections`, which then multiplies the parts again. Returns the stacked Linears, for `install` to time."""
-    fused = []
+    `projections`, which then multiplies the parts again (and by a later call here, which stacks them anew)."""
     for owner in model.modules():
         for names in (QKV, GATE_UP):
             if not all(isinstance(getattr(owner, n, None), torch.nn.Linear) for n in names):
                 continue
-            stacked = _STACKS.get(owner)
-            if stacked is None or stacked[2] != tuple(getattr(owner, n).weight.data_ptr() for n in names):
+            if owner not in _STACKS or not _STACKS[owner].holds(owner):
                 stacked = _stack(owner, names)
-                if stacked is None:
-                    continue
-                _STACKS[owner] = stacked
-            fused.append(stacked[0])
-    return fused
+                if stacked is not None:
+                    _STACKS[owner] = stacked
 
 
-def _stack(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.nn.Linear, list[int], tuple[int, ...]] | None:
+def _stack(owner: torch.nn.Module, names: tuple[str, ...]) -> Stack | None:
     """One Linear over the parts' stacked weights (and biases), the parts rebound to views of it; None when the
     parts cannot stack (not all CPU float32, some with a bias and some without)."""
     parts = [getattr(owner, n) for n in names]
@@ -428,7 +434,17 @@ def _stack(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.nn.Lin
         stacked.bias.requires_grad_(False)
         for part, view in zip(parts, stacked.bias.data.split(sizes), strict=True):
             part.bias.data = view
-    return stacked, sizes, tuple(p.weight.data_ptr() for p in parts)
+    return Stack(stacked, names, sizes, _part_pointers(owner, names))
+
+
+def _part_pointers(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[int, ...]:
+    """The parts' weight pointers: equal to a stack's record while the parts are still its views."""
+    return tuple(getattr(owner, n).weight.data_ptr() for n in names)
+
+
+def _stacked_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The stacked Linears (`stack_products`) whose parts in `model` are still their views: tuned beside its own."""
+    return [_STACKS[owner].linear for owner in model.modules() if owner in _STACKS and _STACKS[owner].holds(owner)]
 
 
 def _measured(model: torch.nn.Module, head: torch.nn.Module | None, known: set[tuple[Any, ...]]) -> bool:
@@ -552,7 +568,7 @@ def _tune(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
 
 def _cpu_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The model's Linear modules with a weight on the CPU: the products whose forms are tuned."""
-    return [m for m in [*model.modules(), *_STACKED.get(model, ())] if isinstance(m, torch.nn.Linear)
+    return [m for m in [*model.modules(), *_stacked_linears(model)] if isinstance(m, torch.nn.Linear)
             and getattr(m, "weight", None) is not None and m.weight.device.type == "cpu"]
 
 
