@@ -8,6 +8,7 @@ cache already holds that prefix. Health and metrics are gathered from every repl
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from typing import Any
@@ -33,6 +34,8 @@ from rasd.serve.service import ServeConfig
 from rasd.serve.web import static_file
 
 REPLICA_HEADER = "X-Rasd-Replica"      # which replica answered (a chat's turns should share one)
+IGNORED_HEADER = "X-Rasd-Ignored-Fields"   # the request's fields without effect here (`_Request.ignored_fields`)
+log = logging.getLogger("rasd.serve")
 STATE_TIMEOUT_S = 10.0                 # a replica slower than this to report its health counts as unhealthy
 
 api = FastAPI(title="rasd", description="Retrieval-augmented speculative decoding: lossless, faster answers")
@@ -66,6 +69,21 @@ def chat_route(body: ChatRequest) -> str:
     return "".join(f"\x1e{m['role']}\x1f{m['content']}" for m in body.message_dicts())
 
 
+def _ignored(body: Any) -> dict[str, str]:
+    """The header naming the request's fields without effect (none: no header), each also logged: accepted as
+    vLLM accepts them, but never silently (a misspelt `temprature` would otherwise look honoured)."""
+    names = ", ".join(_printable(n[:64]) for n in body.ignored_fields()[:32])
+    if not names:
+        return {}
+    log.warning("request fields without effect here, ignored: %s", names)
+    return {IGNORED_HEADER: names}
+
+
+def _printable(name: str) -> str:
+    """A client's field name as a header value and a log line can carry it: printable ASCII, others as '?'."""
+    return "".join(c if c.isascii() and c.isprintable() else "?" for c in name)
+
+
 def _release(lines: Any, stream_id: str) -> None:
     """The stream is over for the router (no longer in flight) and for its replica (cancelled); twice is harmless."""
     shared_state().stream_closed(stream_id)
@@ -81,8 +99,8 @@ class RelayResponse(StreamingResponse):
     generator waits at a `yield`, where its `finally` runs only when it is garbage-collected; until then the
     router counted the stream in flight and sent new requests away from an idle replica."""
 
-    def __init__(self, lines: Any, stream_id: str, replica: str):
-        super().__init__(lines, media_type="text/event-stream", headers={REPLICA_HEADER: replica})
+    def __init__(self, lines: Any, stream_id: str, headers: dict[str, str]):
+        super().__init__(lines, media_type="text/event-stream", headers=headers)
         self.lines, self.stream_id = lines, stream_id
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -184,8 +202,10 @@ class RasdIngress:
     # ------------------------------------------------------------------ helpers
     async def _generate(self, endpoint: str, body: Any, route: str) -> Any:
         """Hand a request to a replica chosen by its prompt's prefix; a stream starts once it is admitted."""
+        ignored = _ignored(body)
         if not body.stream:
-            return self._response(await self._call(self.replicas.complete.remote(endpoint, body, route=route)))
+            answer = await self._call(self.replicas.complete.remote(endpoint, body, route=route))
+            return self._response(answer, ignored)
         stream_id = uuid.uuid4().hex            # the router counts the stream in flight until it is closed
         lines = self.replicas.options(stream=True).stream.remote(endpoint, body, route=route, stream_id=stream_id)
         try:
@@ -195,7 +215,7 @@ class RasdIngress:
             if isinstance(exc, Exception):
                 raise _unwrapped(exc) from None
             raise
-        return RelayResponse(lines, stream_id, replica)
+        return RelayResponse(lines, stream_id, {REPLICA_HEADER: replica, **ignored})
 
     @staticmethod
     async def _call(response: Any) -> Any:
@@ -205,8 +225,8 @@ class RasdIngress:
             raise _unwrapped(exc) from None
 
     @staticmethod
-    def _response(answer: dict[str, Any]) -> JSONResponse:
-        return JSONResponse(answer["body"], headers={REPLICA_HEADER: answer["replica"]})
+    def _response(answer: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(answer["body"], headers={REPLICA_HEADER: answer["replica"], **(headers or {})})
 
     async def _every_replica(self, method: str) -> list[Any]:
         """`method`'s answer from every running replica (an exception in place of one that failed)."""

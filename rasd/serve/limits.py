@@ -85,6 +85,11 @@ def check_common(req: Any, limits: Limits) -> None:
 
 def check_prompt(req: Any, limits: Limits) -> None:
     check_common(req, limits)
+    ids = req.prompt_ids()
+    if ids is not None:   # token ids: no more of them than a text's characters (each token is one or more)
+        if len(ids) > limits.max_prompt_chars:
+            raise ApiError(400, f"prompt has {len(ids)} tokens; the limit is {limits.max_prompt_chars}", param="prompt")
+        return
     prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
     _texts(((f"prompt.{i}" if isinstance(req.prompt, list) else "prompt", p) for i, p in enumerate(prompts)),
            limits.max_prompt_chars, "prompt")

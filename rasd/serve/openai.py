@@ -6,8 +6,9 @@ Users bring clients written for OpenAI, vLLM or SGLang: field names, defaults (t
 `top_k`, vLLM's `repetition_penalty`) and a `rasd` object in responses with the speculative-decoding statistics.
 
 Every OpenAI field is honoured or refused: one that would change the answer and that we do not support
-(`tools`, `echo`, `best_of`, ...) is a 400 naming it, never silently dropped. Fields
-OpenAI has no name for are ignored, as vLLM does.
+(`tools`, `echo`, `best_of`, ...) is a 400 naming it, never silently dropped. Fields without effect here
+(`user`, `store`, a vendor's own) are accepted, as vLLM does, and named in the response's
+`X-Rasd-Ignored-Fields` header and the service's log (`ignored_fields`), so a typo is seen.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
+    def ignored_fields(self) -> list[str]:
+        """The fields this request sent that have no effect here (asked after `refuse_unsupported`)."""
+        return sorted(self.model_extra or {})
+
     def token_limit(self) -> int | None:
         """max_completion_tokens (OpenAI's newer name) or max_tokens; both, differing, is a 400."""
         both = self.max_tokens is not None and self.max_completion_tokens is not None
@@ -136,18 +141,37 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a text, or its token ids (OpenAI's and vLLM's forms; one prompt per request)")
     logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per token (OpenAI: <= 5)")
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
+    def _one(self) -> str | list[int]:
+        """The one prompt: a text or a list of token ids (a list of one of either is that one)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
                 raise ApiError(400, "only one prompt per request is supported", param="prompt")
-            return self.prompt[0]
-        return self.prompt
+            return prompt[0]
+        return prompt
+
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt's token ids when it was sent as ids (None: a text, tokenized by the service)."""
+        one = self._one()
+        if isinstance(one, str):
+            return None
+        if not one:
+            raise ApiError(400, "the prompt has no tokens", param="prompt")
+        return one
+
+    def prompt_text(self) -> str:
+        """The prompt's text, or for token ids a text of them: what the router judges a prefix by."""
+        one = self._one()
+        return one if isinstance(one, str) else "\x1d" + " ".join(map(str, one))
 
 
 class ChatMessage(BaseModel):

@@ -227,7 +227,9 @@ class RasdServer:
         if endpoint == "chat":
             ids = await asyncio.to_thread(service.encode_chat, body.message_dicts())
             return service.prepare(body, ids, self.config.method, None)
-        ids = await asyncio.to_thread(service.encode_text, body.prompt_text())
+        given = body.prompt_ids()
+        ids = (service.check_token_ids(given) if given is not None
+               else await asyncio.to_thread(service.encode_text, body.prompt_text()))
         return service.prepare(body, ids, self.config.method, 16)
 
     async def _docqa(self, body: DocQARequest, prepared: Prepared) -> dict[str, Any]:

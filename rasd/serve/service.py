@@ -322,6 +322,15 @@ class Service:
     def encode_text(self, text: str) -> list[int]:
         return [int(t) for t in self.target.tokenizer(text)["input_ids"]]
 
+    def check_token_ids(self, ids: list[int]) -> list[int]:
+        """A prompt sent as token ids, each a token of this model (else a 400 naming the first that is not)."""
+        vocab = vocab_size(self.target.model)
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token {bad} ({ids[bad]}) is not a token id of this model (0..{vocab - 1})",
+                           param=f"prompt.{bad}")
+        return ids
+
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not has_chat_template(self.target.tokenizer):
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")

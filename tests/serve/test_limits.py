@@ -49,9 +49,31 @@ def test_within_limits_passes() -> None:
     ({"prompt": "x", "model": "m" * 11}, "model"),
     ({"prompt": "bad \ud800 surrogate"}, "prompt"),
     ({"prompt": "x", "stop": ["\udfff"]}, "stop.0"),
+    ({"prompt": list(range(51))}, "prompt"),
+    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": []}, "prompt"),
 ])
 def test_completion_fields_are_refused_by_name(body: dict[str, Any], param: str) -> None:
     assert refused(check_prompt, CompletionRequest(**body)).param == param
+
+
+def test_a_prompt_may_be_token_ids_in_either_openai_form() -> None:
+    """OpenAI's and vLLM's `prompt` takes token ids, alone or as a list of one; the router gets a text of them
+    that no text prompt is."""
+    assert CompletionRequest(prompt=[5, 6]).prompt_ids() == [5, 6]
+    assert CompletionRequest(prompt=[[5, 6]]).prompt_ids() == [5, 6]
+    assert CompletionRequest(prompt="hi").prompt_ids() is None
+    assert CompletionRequest(prompt=["hi"]).prompt_text() == "hi"
+    assert CompletionRequest(prompt=[5, 6]).prompt_text() not in ("5 6", "[5, 6]")
+    check_prompt(CompletionRequest(prompt=list(range(50))), SMALL)
+
+
+def test_fields_without_effect_are_named_not_dropped_silently() -> None:
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}], user="u-1", tool_choice="none", temprature=0)
+    req.refuse_unsupported()
+    assert req.ignored_fields() == ["temprature", "tool_choice", "user"]
+    assert CompletionRequest(prompt="x", temperature=0).ignored_fields() == []
 
 
 def test_chat_messages_are_bounded_in_count_and_total_size() -> None:

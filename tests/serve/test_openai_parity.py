@@ -91,6 +91,35 @@ def test_fields_without_effect_and_unknown_fields_are_accepted(service: dict[str
             "some_vendor_field": {"x": 1}}
     r = service["client"].post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
+    assert r.headers["x-rasd-ignored-fields"] == "some_vendor_field, store, tool_choice, user"
+    streamed = service["client"].post("/v1/chat/completions", json={**body, "stream": True})
+    assert streamed.headers["x-rasd-ignored-fields"] == "some_vendor_field, store, tool_choice, user"
+    clean = service["client"].post("/v1/chat/completions", json={k: body[k] for k in ("messages", "max_tokens")})
+    assert "x-rasd-ignored-fields" not in clean.headers
+
+
+def test_ignored_field_names_cannot_inject_headers(service: dict[str, Any]) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+            "evil\r\nX-Injected: 1": 1, "na\u00efve": 2}
+    r = service["client"].post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert "x-injected" not in r.headers
+    assert r.headers["x-rasd-ignored-fields"] == "evil??X-Injected: 1, na?ve"
+
+
+def test_token_id_prompts_answer_as_their_text(service: dict[str, Any], target: Any) -> None:
+    """`prompt` as token ids (OpenAI's and vLLM's forms): the same answer as the text they encode; an id
+    outside the vocabulary is a 400 naming its position."""
+    c = service["client"]
+    text = "The three primary colours are"
+    ids = [int(t) for t in target.tokenizer(text)["input_ids"]]
+    answers = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0})
+               for p in (text, ids, [ids])]
+    assert [a.status_code for a in answers] == [200, 200, 200], answers[1].text
+    assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
+    assert all(a.json()["usage"]["prompt_tokens"] == len(ids) for a in answers)
+    bad = c.post("/v1/completions", json={"prompt": [ids[0], 10**9], "max_tokens": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt.1", bad.text
 
 
 def test_content_parts_equal_the_same_text_as_a_string(service: dict[str, Any]) -> None:

@@ -185,8 +185,8 @@ def test_a_stream_whose_client_leaves_is_released_at_once(spec: str) -> None:
 
     async def serve_it() -> tuple[int, bool]:
         with contextlib.suppress(Exception):
-            await RelayResponse(lines, "s-relay", "R-relay")({"type": "http", "asgi": {"spec_version": spec}},
-                                                             receive, send)
+            await RelayResponse(lines, "s-relay", {"X-Rasd-Replica": "R-relay"})(
+                {"type": "http", "asgi": {"spec_version": spec}}, receive, send)
         return state.in_flight_now()["R-relay"], lines.cancelled   # before the loop closes leftover generators
 
     assert asyncio.run(asyncio.wait_for(serve_it(), 10)) == (0, True)
