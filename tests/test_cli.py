@@ -163,3 +163,30 @@ def test_stop_waits_for_serve_only_as_long_as_its_bound() -> None:
         raise RuntimeError("controller gone")
 
     assert within(fails, 5.0)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["bench", "--dataset", "/no/such.jsonl", "--methods", "ar"], "dataset /no/such.jsonl not found"),
+    (["bench", "--dataset", "/no/such.jsonl", "--methods", "ar,spec"], "unknown method 'spec'"),
+    (["bench", "--dataset", "/no/such.jsonl", "--methods", "rasd:head"], "options are KEY=VALUE"),
+    (["load", "--concurrency", "a,b"], "--concurrency needs positive integers"),
+])
+def test_bench_and_load_arguments_give_one_line_error_before_a_model_loads(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], message: str) -> None:
+    from rasd.decoding import model_loading
+
+    def no_model(*_: object, **__: object) -> None:
+        raise AssertionError("no model may load for bad arguments")
+
+    monkeypatch.setattr(model_loading, "load_model", no_model)
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err and err.startswith("rasd: error:"), err
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "http"])
+def test_serve_port_out_of_range_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str], port: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--port", port])
+    assert info.value.code == 2
+    assert f"'{port}' is not a TCP port (1-65535)" in capsys.readouterr().err

@@ -149,24 +149,37 @@ def _validate(args: argparse.Namespace, methods: list[str]) -> None:
         raise ValueError("method hf-assisted needs --draft-model")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
+    from rasd.decoding.proposers.registry import method_spec
+    from rasd.eval.runners import HF_METHODS, method_variant
+
+    for name in methods:   # a misspelt method fails now, not after the model has loaded
+        if name not in HF_METHODS:
+            try:
+                method_spec(method_variant(name)[0])
+            except ValueError as exc:
+                raise ValueError(f"{exc} (or an HF baseline: {', '.join(HF_METHODS)})") from exc
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Load data and models, run, print the table and write the requested files."""
     import torch
 
-    from rasd.decoding.model_loading import load_draft, load_model
+    from rasd.decoding.model_loading import ModelLoadError, load_draft, load_model
+    from rasd.errors import CliError
 
-    methods = parse_methods(args.methods)
-    _validate(args, methods)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    items = load_items(args.dataset, args.category, args.limit) if args.task == "generate" else []
-    target = load_model(args.model, device=args.device, dtype=args.dtype, graphs=not args.no_graphs)
-    draft = load_draft(args.draft_model, target, getattr(args, "eesd", None))
-    prompts = _prompts(args, items, target)
+    try:   # bad arguments, a missing dataset or model: one line, before any decoding
+        methods = parse_methods(args.methods)
+        _validate(args, methods)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        items = load_items(args.dataset, args.category, args.limit) if args.task == "generate" else []
+        target = load_model(args.model, device=args.device, dtype=args.dtype, graphs=not args.no_graphs)
+        draft = load_draft(args.draft_model, target, getattr(args, "eesd", None))
+        prompts = _prompts(args, items, target)
+    except (ValueError, OSError, ModelLoadError) as exc:
+        raise CliError(str(exc)) from exc
     if not prompts:
-        raise ValueError("every prompt was skipped")
+        raise CliError("every prompt was skipped")
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     config = BenchConfig(methods, args.max_new_tokens, sampling, not args.no_warmup, not args.no_progress)
     meta = {"dataset": str(args.dataset), "task": args.task, "index": args.index, "categories": args.category,
@@ -227,10 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     from rasd.decoding.model_loading import ModelLoadError
+    from rasd.errors import CliError
 
     try:
         return run_from_args(args)
-    except (ValueError, FileNotFoundError, ModelLoadError) as exc:
+    except (CliError, ValueError, FileNotFoundError, ModelLoadError) as exc:
         print(f"rasd bench: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
               file=sys.stderr)
         return 2

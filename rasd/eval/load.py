@@ -196,7 +196,10 @@ def run_load(args: Any) -> int:
     from rasd.client import Client
     from rasd.errors import CliError
 
-    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        levels = []
     if not levels or min(levels) < 1:
         raise CliError("--concurrency needs positive integers, e.g. 1,4,8")
     questions = load_questions(args.questions, args.limit)

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from rasd.serve.auth import API_KEY_ENV
+
+
+def port_number(text: str) -> int:
+    """A TCP port (1-65535), refused by argparse in one line before Ray starts (a bad one failed minutes later)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return port
 
 
 def register(subparsers: Any) -> Any:
@@ -20,7 +32,7 @@ def register(subparsers: Any) -> Any:
     p.add_argument("--method", default="pld", help="default method of /v1/completions and chat")
     p.add_argument("--docqa-method", default="rasd", help="default method of /v1/docqa")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` (or set {API_KEY_ENV})")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--ray-host", default="127.0.0.1",
