@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException
 
 from rasd.serve.auth import ApiKeyMiddleware, resolve_api_key
 from rasd.serve.limits import BodyLimitMiddleware, Limits, check_chat, check_documents, check_prompt, check_question
@@ -48,6 +49,15 @@ api.add_middleware(ApiKeyMiddleware, key_source=lambda: api.state.api_key)   # a
 @api.exception_handler(ApiError)
 async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """FastAPI's own refusals (no such path, wrong HTTP method, an unparsable body) in OpenAI's error shape too."""
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return JSONResponse(error_body(message, kind, None, exc.status_code), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
 
 
 @api.exception_handler(RequestValidationError)
@@ -160,6 +170,14 @@ class RasdIngress:
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
                                             "created": int(self.started), "owned_by": "rasd"}]}
+
+    @api.get("/v1/models/{model}")
+    async def model(self, model: str) -> dict[str, Any]:
+        """OpenAI's retrieve-a-model (`client.models.retrieve`): this service's one model, else a 404."""
+        if model != self.config.model_name:
+            raise ApiError(404, f"model {model[:200]!r} is not served here; this service serves "
+                                f"{self.config.model_name!r}", "not_found_error", "model")
+        return (await self.models())["data"][0]
 
     @api.get("/v1/info")
     async def info(self) -> dict[str, Any]:

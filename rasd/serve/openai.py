@@ -218,6 +218,9 @@ class DocQARequest(_Request):
 
 
 class DocumentIn(BaseModel):
+    # rasd's own API: a field it does not store (`metadata`, `url`) is a 400 naming it, not dropped on the way in
+    model_config = ConfigDict(extra="forbid")
+
     text: str = Field(min_length=1)
     title: str = ""
     source: str = ""
@@ -225,6 +228,8 @@ class DocumentIn(BaseModel):
 
 
 class DocumentsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     documents: list[DocumentIn] = Field(min_length=1)
 
 

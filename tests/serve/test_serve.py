@@ -93,7 +93,21 @@ HOSTILE = [   # (path, raw JSON body, expected status, the field the error names
     ("/v1/documents", b'{"documents": [{"text": "ok", "title": "\\ud800"}]}', 400, "documents.0.title"),
     ("/v1/completions", b"{" * 3_000_000, 413, None),
     ("/v1/completions", b"not json", 400, None),
+    ("/v1/documents", b'{"documents": [{"text": "ok", "metadata": {"a": 1}}]}', 400, "documents.0.metadata"),
+    ("/v1/documents", b'{"documents": [{"text": "ok"}], "replace": true}', 400, "replace"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "x": ' + b"[" * 5000 + b"]" * 5000
+     + b"}", 400, None),
+    ("/v1/no-such-path", b"{}", 404, None),
 ]
+
+
+def test_models_retrieve_and_refusals_outside_the_routes_have_openai_error_bodies(service: dict[str, Any]) -> None:
+    c = service["client"]
+    assert c.get("/v1/models/rasd-default").json() == c.get("/v1/models").json()["data"][0]
+    missing = c.get("/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    wrong_verb = c.get("/v1/chat/completions")
+    assert wrong_verb.status_code == 405 and "GET /v1/chat/completions" in wrong_verb.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("path", "raw", "status", "param"), HOSTILE, ids=[f"{h[0]}:{h[2]}:{h[3]}" for h in HOSTILE])
