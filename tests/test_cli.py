@@ -190,3 +190,25 @@ def test_serve_port_out_of_range_is_refused_by_the_parser(capsys: pytest.Capture
         main(["serve", "--port", port])
     assert info.value.code == 2
     assert f"'{port}' is not a TCP port (1-65535)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["train", "eagle", "--steps", "-1"], "--steps -1: give a positive number"),
+    (["train", "eagle", "--lr", "0"], "--lr 0.0: give a positive number"),
+    (["train", "eagle", "--noise", "-0.5"], "--noise -0.5: give zero or more"),
+    (["train", "ldlp", "--k-max", "0"], "--k-max 0: give a positive number"),
+    (["train", "eesd", "--batch", "0"], "--batch 0: give a positive number"),
+])
+def test_training_numbers_give_one_line_error_before_data_or_a_model_is_read(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], message: str) -> None:
+    from rasd.decoding import model_loading
+    from rasd.train import common
+
+    def nothing_read(*_: object, **__: object) -> None:
+        raise AssertionError("no data or model may be read for a bad number")
+
+    monkeypatch.setattr(model_loading, "load_model", nothing_read)
+    monkeypatch.setattr(common, "load_prompts", nothing_read)
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err and err.startswith("rasd: error:"), err

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from rasd.decoding.eagle import EagleHead, save_head
 from rasd.decoding.features import FinalNormTap, LayerTaps, final_norm
-from rasd.train.common import greedy_continuations, model_fingerprint, write_json
+from rasd.train.common import check_numbers, greedy_continuations, model_fingerprint, write_json
 
 DEPTHS = 4
 SAMPLE_SEED_STRIDE = 1_000_003   # draw k of a prompt chunk is seeded seed + chunk start + k * this: no two meet
@@ -600,6 +600,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _turns(getattr(args, "turns", "1"))   # a bad --turns is refused before the data and the model are read
+        check_numbers(args, positive=("seqs", "seq_len", "steps", "epochs", "batch", "lr", "eval_seqs"),
+                      non_negative=("noise", "cls_weight", "draft_vocab", "regenerate"))
         if getattr(args, "gen_batch", 128) < 1:
             raise ValueError(f"--gen-batch {args.gen_batch}: give a positive number of answers")
         if not 0.0 <= getattr(args, "temperature", 0.0) <= 10.0:

@@ -219,9 +219,11 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rasd.decoding.model_loading import ModelLoadError, load_model
     from rasd.errors import CliError
-    from rasd.train.common import load_prompts, prompt_windows
+    from rasd.train.common import check_numbers, load_prompts, prompt_windows
 
     try:
+        check_numbers(args, positive=("layers", "steps", "seqs", "prompt_tokens", "gen_tokens", "batch", "lr"),
+                      non_negative=("draft_vocab",))
         prompts = load_prompts(args.data, args.seqs * 3)
         target = load_model(args.model, device=args.device, dtype="float32")
         windows = prompt_windows(target.tokenizer, prompts, args.prompt_tokens)[: args.seqs]

@@ -163,11 +163,12 @@ def run(args: argparse.Namespace) -> int:
     from rasd.decoding.model_loading import ModelLoadError, load_model
     from rasd.decoding.proposers.early_exit import load_early_exit
     from rasd.errors import CliError
-    from rasd.train.common import generation_cache, load_prompts, prompt_windows
+    from rasd.train.common import check_numbers, generation_cache, load_prompts, prompt_windows
 
     if args.under_weight <= 1:
         raise CliError("--under-weight must be > 1 (under-prediction costs more)")
     try:
+        check_numbers(args, positive=("k_max", "steps", "seqs", "prompt_tokens", "gen_tokens"))
         prompts = load_prompts(args.data, args.seqs * 3)
         target = load_model(args.model, device=args.device, dtype="float32")
         if args.drafter == "eagle":
