@@ -7,6 +7,8 @@ Real-model tests keep torch's default threads (cost curves are cached per thread
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +46,21 @@ def rasd_home_for_tests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
             os.environ.pop("RASD_HOME", None)
         else:
             os.environ["RASD_HOME"] = before
+
+
+@pytest.fixture(scope="module", autouse=True)
+def return_freed_memory() -> Iterator[None]:
+    """After each test file: collect, and give glibc's freed pages back to the system (`malloc_trim`).
+
+    Why: models, services and their threads freed by one file stayed in the process's malloc arenas, so the
+    suite's process grew by 1-4 GB a file to 17.7 GB, and Ray's memory monitor (95% of a 24 GB machine) killed
+    the Serve replicas of the next tests. Trimmed, a service built and closed three times stays at 2.6 GB."""
+    yield
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to trim this way
+        pass
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,12 @@ import os
 import signal
 import socket
 import time
+import weakref
 from collections.abc import Sequence
-from functools import cache, lru_cache
+from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,12 +69,22 @@ def hf_greedy(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int
     The attention mask and pad id are passed explicitly: HF otherwise infers a mask from the pad id, which
     silently masks prompt tokens that happen to equal it.
     """
-    return list(_hf_greedy_cached(model, tuple(prompt), max_new_tokens, eos_token_id))
+    key = (tuple(prompt), max_new_tokens, eos_token_id)
+    answers = _HF_GREEDY.setdefault(model, {})
+    if key not in answers:
+        answers[key] = _hf_greedy_run(model, *key)
+    return list(answers[key])
 
 
-@lru_cache(maxsize=256)
-def _hf_greedy_cached(model: torch.nn.Module, prompt: tuple[int, ...], max_new_tokens: int,
-                      eos_token_id: int | None) -> tuple[int, ...]:
+# model -> {(prompt, max_new_tokens, eos): tokens}: parametrized tests share a reference, and it dies with its model.
+# Why weak: an lru_cache keyed by the model kept every embedded model a test ever loaded (≈ 2 GB each with its
+# packed and stacked weights): the suite's process grew to 17.7 GB, and Ray's memory monitor killed replicas.
+_HF_GREEDY: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[Any, ...], tuple[int, ...]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _hf_greedy_run(model: torch.nn.Module, prompt: tuple[int, ...], max_new_tokens: int,
+                   eos_token_id: int | None) -> tuple[int, ...]:
     x = torch.tensor([list(prompt)], dtype=torch.long)
     pad = 0 if eos_token_id is None else eos_token_id
     with torch.inference_mode():
