@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +54,19 @@ class DocAnswer:
     stats: dict[str, Any]
 
 
+IGNORED_HEADER = "x-rasd-ignored-fields"   # the service's list of fields without effect (`serve.ingress`)
+
+
+class IgnoredFieldsWarning(UserWarning):
+    """The service accepted fields that have no effect there (a misspelt `temprature=0`, a vendor's own)."""
+
+
 def _raise_for(response: httpx.Response) -> None:
+    """An `ApiError` for a refusal; a warning naming the fields the service ignored (`**params` are sent as
+    they are, so a misspelt keyword would otherwise pass unseen)."""
+    ignored = response.headers.get(IGNORED_HEADER)
+    if ignored:
+        warnings.warn(f"the service ignored these fields: {ignored}", IgnoredFieldsWarning, stacklevel=3)
     if response.status_code < 400:
         return
     try:
@@ -132,7 +145,7 @@ class Client:
         with self.http.stream("POST", path, json={**payload, "stream": True}) as response:
             if response.status_code >= 400:
                 response.read()
-                _raise_for(response)
+            _raise_for(response)
             yield from _events(response.iter_lines())
 
     # ------------------------------------------------------------------ API
@@ -205,7 +218,7 @@ class AsyncClient:
         async with self.http.stream("POST", path, json={**payload, "stream": True}) as response:
             if response.status_code >= 400:
                 await response.aread()
-                _raise_for(response)
+            _raise_for(response)
             lines = [line async for line in response.aiter_lines()]
         for event in _events(iter(lines)):
             yield event

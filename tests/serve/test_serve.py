@@ -181,6 +181,22 @@ def test_a_chats_next_turn_reuses_the_previous_prompt(service: dict[str, Any], l
     assert r2["choices"][0]["message"]["content"] == (ref.text or "")
 
 
+def test_the_client_warns_of_fields_the_service_ignored(service: dict[str, Any]) -> None:
+    import warnings
+
+    from rasd.client import Client, IgnoredFieldsWarning
+
+    messages = [{"role": "user", "content": "Hi"}]
+    with Client(service["url"], api_key=KEY) as client:
+        with pytest.warns(IgnoredFieldsWarning, match="temprature"):
+            client.chat(messages, max_tokens=2, temprature=0)
+        with pytest.warns(IgnoredFieldsWarning, match="temprature"):
+            list(client.chat_stream(messages, max_tokens=2, temprature=0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", IgnoredFieldsWarning)
+            client.chat(messages, max_tokens=2, temperature=0)
+
+
 def test_docqa_equals_in_process_pipeline(service: dict[str, Any], local: Any) -> None:
     from rasd.apps.docqa import DocQA
     from rasd.client import Client
