@@ -600,10 +600,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _turns(getattr(args, "turns", "1"))   # a bad --turns is refused before the data and the model are read
-        check_numbers(args, positive=("seqs", "seq_len", "steps", "epochs", "batch", "lr", "eval_seqs"),
+        check_numbers(args, positive=("seqs", "seq_len", "steps", "epochs", "batch", "lr", "eval_seqs", "gen_batch"),
                       non_negative=("noise", "cls_weight", "draft_vocab", "regenerate"))
-        if getattr(args, "gen_batch", 128) < 1:
-            raise ValueError(f"--gen-batch {args.gen_batch}: give a positive number of answers")
         if not 0.0 <= getattr(args, "temperature", 0.0) <= 10.0:
             raise ValueError(f"--temperature {args.temperature}: give a value from 0 (greedy) to 10")
         _check_samples(getattr(args, "samples", 1), getattr(args, "temperature", 0.0))
