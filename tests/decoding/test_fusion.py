@@ -322,7 +322,8 @@ def test_a_draft_model_leaves_room_for_the_requests_own_text() -> None:
 def test_with_a_drafter_rasd_copies_no_one_token_match_of_the_requests_own_text() -> None:
     """A context whose last token occurred before, but not its last two: `pld` (and `rasd` without a drafter)
     copy after the one-token match; `rasd` with a drafter leaves that step to the drafter (its one-token bushes
-    were rarely right and took the step from the head), unless asked otherwise (`context_min_ngram`)."""
+    were rarely right and took the step from the head), unless asked otherwise (`context_min_ngram`) or until
+    the request's own text shows that such copies pay (`test_short_copies.py`)."""
     model = tiny_llama(0)
     head = [5, 6, 7, 8, 9, 10, 11, 12]
     context = head + [30, 31, 9]            # 9 occurred before (followed by 10, 11, ...); (31, 9) never did

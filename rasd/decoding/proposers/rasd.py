@@ -41,6 +41,7 @@ from rasd.decoding.fusion import ProbsFn, PruneConfig, fuse, merge_trees, prune
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.recycling import RecyclingMatrix, RecyclingProposer
 from rasd.decoding.proposers.retrieval import CONTEXT, RetrievalProposer, match_class
+from rasd.decoding.proposers.short_copies import ShortCopies
 from rasd.decoding.proposers.suffix import SuffixProposer
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.sizing.gate import DraftGate
@@ -76,11 +77,12 @@ class RasdProposer:
                  recycle_when: str = "fallback", flat_curve: Callable[[int], bool] | None = None,
                  draft_proposer: Any = None, gate: DraftGate | None = None,
                  history: ResponseHistory | None = None, history_options: dict[str, Any] | None = None,
-                 **retrieval_options: Any):
+                 short_copies: bool = True, **retrieval_options: Any):
         self.draft = self._make_draft(draft_model, draft_proposer, draft_options)
         if self.draft is not None:
             retrieval_options.setdefault("context_min_ngram", CONTEXT_MIN_NGRAM_WITH_DRAFT)
         self.retrieval = RetrievalProposer(datastores, **retrieval_options)
+        self.short_copies = self._make_short_copies(short_copies)
         self.history = history   # the engine adds each finished response here (`GenerationStream.finish`)
         history_options = dict(history_options or {})
         if self.draft is not None:
@@ -116,6 +118,13 @@ class RasdProposer:
         if draft_model is not None or draft_options:
             raise ValueError("pass either draft_model (with draft_options) or draft_proposer, not both")
         return draft_proposer
+
+    def _make_short_copies(self, wanted: bool) -> ShortCopies | None:
+        """One-token copies scored per request (`ShortCopies`), where the context source leaves them out."""
+        context = self.retrieval.context
+        if not wanted or context is None or context.min_ngram <= 1:
+            return None
+        return ShortCopies(source=context.source, max_matches=context.max_matches, max_len=context.max_len)
 
     def _probability_source(self, prune_with: str) -> ProbsFn | None:
         """"auto": the draft model, else nothing (counts); "draft", "recycling" or "counts" explicitly.
@@ -160,6 +169,8 @@ class RasdProposer:
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         self.retrieval.start(prompt_ids, sampling)
+        if self.short_copies is not None:
+            self.short_copies.reset()
         if self.draft is not None:
             self.draft.start(prompt_ids, sampling)
         if self.gate is not None:
@@ -169,6 +180,7 @@ class RasdProposer:
         if max_nodes <= 0:
             return DraftTree.root_only(context[-1])
         trees = self.retrieval.candidate_trees(context, max_nodes)
+        trees += self._short_copy_trees(context, trees, max_nodes)
         own = [t for t in trees if t.sources[1] == CONTEXT]
         retrieved = merge_trees(context[-1], [t for t in trees if t.sources[1] != CONTEXT], max_nodes)
         earlier = self._history_trees(context, max_nodes)
@@ -215,6 +227,14 @@ class RasdProposer:
         free.bucket = match_class(max((t.bucket for t in trees), default=0))
         return free
 
+    def _short_copy_trees(self, context: list[int], trees: list[DraftTree], max_nodes: int) -> list[DraftTree]:
+        """The one-token copies, as a list: only where the request's own text has no longer match and they
+        have been paying in this request (`ShortCopies`)."""
+        if self.short_copies is None or any(t.sources[1] == CONTEXT for t in trees):
+            return []
+        tree = self.short_copies.tree(self.retrieval.context.index, context, max_nodes)
+        return [] if tree is None else [tree]
+
     def _history_trees(self, context: list[int], max_nodes: int) -> list[DraftTree]:
         """The response history's tree, as a list: empty without a history or a match."""
         if self.from_history is None:
@@ -249,6 +269,15 @@ class RasdProposer:
         """Recycle the target's top-k at every node; retrieval and draft catch up lazily in `propose`."""
         if self.recycling is not None:
             self.recycling.observe(context, tree, verdict, logits)
+        if self.short_copies is not None:
+            self._score_rival(tree, verdict)
+
+    def _score_rival(self, tree: DraftTree, verdict: Verdict) -> None:
+        """What the drafter's own nodes got accepted at a step it ran with nothing copied: the bar that one-token
+        copies must clear to take such steps (`ShortCopies.pays`)."""
+        source = getattr(self.draft, "source", None)
+        if source is not None and source in tree.sources and CONTEXT not in tree.sources:
+            self.short_copies.observe_rival(sum(tree.sources[i] == source for i in verdict.accepted))
 
     def _draft_tree(self, context: list[int], max_nodes: int, retrieved_nodes: int, use_draft: bool) -> DraftTree:
         """The draft model's tree (root only when it is off this step), leaving up to half the budget to the
