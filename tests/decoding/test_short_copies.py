@@ -103,3 +103,29 @@ def test_rasd_can_turn_the_copies_off_and_has_none_without_a_drafter() -> None:
     model = tiny_llama(0)
     assert make_proposer("rasd", model, draft_options=DRAFT, short_copies=False).short_copies is None
     assert make_proposer("rasd").short_copies is None       # without a drafter every one-token match is copied
+
+
+def test_the_drafters_accepted_nodes_where_nothing_was_copied_raise_the_bar_for_copies() -> None:
+    """A drafter that has been adding two tokens a step keeps its steps from copies that add one."""
+    from rasd.decoding.verify import Verdict
+
+    model = tiny_llama(0)
+    proposer = make_proposer("rasd", model, draft_options=DRAFT)
+    proposer.start([1, 2, 3], SamplingParams())
+    tree = DraftTree.root_only(3)
+    tree.add_path(0, [4, 5], "eagle")                       # any drafter's tag counts, a draft worker's too
+    tree.add(0, 6, "recycling")
+    for _ in range(10):
+        proposer.observe([1, 2, 3], tree, Verdict(accepted=[1, 2], bonus=7), None)
+    copies = proposer.short_copies
+    copies.tokens, copies.attempts = 15.0, 10.0             # copies right 1.5 tokens a try
+    assert not copies.pays()
+    copied = DraftTree.root_only(3)
+    copied.add_path(0, [4, 5], "eagle")
+    copied.add(0, 6, "context")                             # a step with copies is not the drafter's alone
+    for _ in range(30):
+        proposer.observe([1, 2, 3], copied, Verdict(accepted=[], bonus=7), None)
+    assert not copies.pays()
+    proposer.start([1, 2, 3], SamplingParams())
+    copies.tokens, copies.attempts = 15.0, 10.0
+    assert copies.pays()                                    # a new request: no bar but the floor of one token

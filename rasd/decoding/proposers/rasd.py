@@ -39,13 +39,14 @@ import torch
 
 from rasd.decoding.fusion import ProbsFn, PruneConfig, fuse, merge_trees, prune
 from rasd.decoding.proposers.draft import DraftModelProposer
+from rasd.decoding.proposers.recycling import SOURCE as RECYCLED
 from rasd.decoding.proposers.recycling import RecyclingMatrix, RecyclingProposer
-from rasd.decoding.proposers.retrieval import CONTEXT, RetrievalProposer, match_class
+from rasd.decoding.proposers.retrieval import CONTEXT, DATASTORE, DOCUMENTS, RetrievalProposer, match_class
 from rasd.decoding.proposers.short_copies import ShortCopies
-from rasd.decoding.proposers.suffix import SuffixProposer
+from rasd.decoding.proposers.suffix import HISTORY, SuffixProposer
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.sizing.gate import DraftGate
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.tree import ROOT, DraftTree
 from rasd.decoding.verify import Verdict
 
 # The shortest match of the request's own text that `rasd` copies from when it has a drafter (without one: 1, as
@@ -59,6 +60,9 @@ CONTEXT_MIN_NGRAM_WITH_DRAFT = 2
 # 1-3 token match was right 12% of the time against the head's 29%, and it counted as a match, so the draft gate
 # ran steps without the head (docs/lab-notes/eagle.md, 2026-12-06, fifth session).
 HISTORY_MIN_MATCH_WITH_DRAFT = 4
+
+# Every source but the drafter's (whatever its tag: "draft", "eagle", or a draft worker's), and the root.
+FREE_SOURCES = frozenset({ROOT, CONTEXT, DATASTORE, DOCUMENTS, HISTORY, RECYCLED})
 
 if TYPE_CHECKING:   # the index package may pull in heavy deps (FAISS); import it lazily
     from rasd.decoding.history import ResponseHistory
@@ -275,9 +279,8 @@ class RasdProposer:
     def _score_rival(self, tree: DraftTree, verdict: Verdict) -> None:
         """What the drafter's own nodes got accepted at a step it ran with nothing copied: the bar that one-token
         copies must clear to take such steps (`ShortCopies.pays`)."""
-        source = getattr(self.draft, "source", None)
-        if source is not None and source in tree.sources and CONTEXT not in tree.sources:
-            self.short_copies.observe_rival(sum(tree.sources[i] == source for i in verdict.accepted))
+        if CONTEXT not in tree.sources and not FREE_SOURCES.issuperset(tree.sources):
+            self.short_copies.observe_rival(sum(tree.sources[i] not in FREE_SOURCES for i in verdict.accepted))
 
     def _draft_tree(self, context: list[int], max_nodes: int, retrieved_nodes: int, use_draft: bool) -> DraftTree:
         """The draft model's tree (root only when it is off this step), leaving up to half the budget to the
