@@ -28,10 +28,10 @@ from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.sizing.sizers import CostAwareSizer, FixedSizer, Sizer, make_sizer
 from rasd.decoding.static_step import StaticRows, StepConfig, shared_rows
 from rasd.decoding.stats import DecodeStats
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.tree import GRAMMAR, DraftTree
 from rasd.decoding.verify import Process, Verdict, verify
 
-GRAMMAR_SOURCE = "grammar"   # draft nodes of the tokens a request's grammar forces (`decoding.grammar`)
+GRAMMAR_SOURCE = GRAMMAR   # draft nodes of the tokens a request's grammar forces (`decoding.grammar`)
 
 # a verification step for one request: (tree, sampling, generator, processors) -> (verdict, logits [T, vocab])
 VerifyStep = Callable[[DraftTree, SamplingParams, "torch.Generator | None", "Process | None"],

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 ROOT = "root"
+GRAMMAR = "grammar"   # the tag of the tokens a request's grammar forces (`engine.GenerationStream.propose`)
 
 
 @dataclass

@@ -127,5 +127,9 @@ def test_the_drafters_accepted_nodes_where_nothing_was_copied_raise_the_bar_for_
         proposer.observe([1, 2, 3], copied, Verdict(accepted=[], bonus=7), None)
     assert not copies.pays()
     proposer.start([1, 2, 3], SamplingParams())
+    forced = DraftTree.root_only(3)
+    forced.add_path(0, [4, 5], "grammar")                   # tokens a grammar forces are not the drafter's
+    for _ in range(10):
+        proposer.observe([1, 2, 3], forced, Verdict(accepted=[1, 2], bonus=7), None)
     copies.tokens, copies.attempts = 15.0, 10.0
     assert copies.pays()                                    # a new request: no bar but the floor of one token

@@ -46,7 +46,7 @@ from rasd.decoding.proposers.short_copies import ShortCopies
 from rasd.decoding.proposers.suffix import HISTORY, SuffixProposer
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.sizing.gate import DraftGate
-from rasd.decoding.tree import ROOT, DraftTree
+from rasd.decoding.tree import GRAMMAR, ROOT, DraftTree
 from rasd.decoding.verify import Verdict
 
 # The shortest match of the request's own text that `rasd` copies from when it has a drafter (without one: 1, as
@@ -61,8 +61,9 @@ CONTEXT_MIN_NGRAM_WITH_DRAFT = 2
 # ran steps without the head (docs/lab-notes/eagle.md, 2026-12-06, fifth session).
 HISTORY_MIN_MATCH_WITH_DRAFT = 4
 
-# Every source but the drafter's (whatever its tag: "draft", "eagle", or a draft worker's), and the root.
-FREE_SOURCES = frozenset({ROOT, CONTEXT, DATASTORE, DOCUMENTS, HISTORY, RECYCLED})
+# Every source but the drafter's (whatever its tag: "draft", "eagle", or a draft worker's): the root, the
+# copying and recycled sources, and the tokens a grammar forces (added by the engine after `propose`).
+FREE_SOURCES = frozenset({ROOT, CONTEXT, DATASTORE, DOCUMENTS, HISTORY, RECYCLED, GRAMMAR})
 
 if TYPE_CHECKING:   # the index package may pull in heavy deps (FAISS); import it lazily
     from rasd.decoding.history import ResponseHistory
