@@ -250,6 +250,26 @@ def test_fast_linear_returns_row_major_outputs() -> None:
 
 
 @pytest.mark.parametrize("form", ["packed", "onednn"])
+def test_a_weight_made_in_inference_mode_is_packed_and_multiplied(form: str, monkeypatch) -> None:
+    """Inference tensors keep no version counter: packing one (a model built under `torch.inference_mode`, or
+    its q/k/v stacked there on a first `install` inside a cost-curve measurement) raised a RuntimeError."""
+    from rasd.decoding import kernels
+
+    if not (kernels.packing_available() if form == "packed" else kernels.onednn_available()):
+        pytest.skip(f"this torch has no {form} GEMM")
+    monkeypatch.setenv("RASD_LINEAR", form)              # read once per shape; this shape is this test's own
+    inputs = {"packed": 26, "onednn": 27}[form]
+    with torch.inference_mode():
+        layer = install(torch.nn.Sequential(torch.nn.Linear(inputs, 40)))[0]
+        assert layer.weight.is_inference()
+        x = torch.randn(1, 5, inputs)
+        with fast_kernels():
+            out = layer(x)
+    assert kernels.linear_choices()[f"40x{inputs}@8"] == form
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("form", ["packed", "onednn"])
 def test_packed_products_follow_weight_changes_and_leave_the_model_picklable(form: str, monkeypatch) -> None:
     """MKL's and oneDNN's packed forms: a stale packed copy after a weight update, or an unpicklable model, are
     bugs."""
