@@ -31,8 +31,6 @@ from rasd.decoding.stats import DecodeStats
 from rasd.decoding.tree import GRAMMAR, DraftTree
 from rasd.decoding.verify import Process, Verdict, verify
 
-GRAMMAR_SOURCE = GRAMMAR   # draft nodes of the tokens a request's grammar forces (`decoding.grammar`)
-
 # a verification step for one request: (tree, sampling, generator, processors) -> (verdict, logits [T, vocab])
 VerifyStep = Callable[[DraftTree, SamplingParams, "torch.Generator | None", "Process | None"],
                       tuple[Verdict, torch.Tensor]]
@@ -315,7 +313,7 @@ class GenerationStream:
         self.stats.pruned_nodes += tree.pruned
         if budget > 0 and self.processors is not None and self.sampling.grammar is not None:
             for rank, path in enumerate(self.processors.forced_tokens(self.context, vocab_size(dec.model))):
-                tree.add_path(0, path[:budget], GRAMMAR_SOURCE, [1.0 / (rank + 1)] * len(path[:budget]))
+                tree.add_path(0, path[:budget], GRAMMAR, [1.0 / (rank + 1)] * len(path[:budget]))
         return tree
 
     def size(self, tree: DraftTree) -> DraftTree:

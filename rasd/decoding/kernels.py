@@ -178,9 +178,16 @@ def _half(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return F.linear(rows.to(_HALF_DTYPE), _half_weight(weight)).to(rows.dtype)
 
 
+def _stamp(weight: torch.Tensor) -> tuple[int, int]:
+    """What identifies a weight's values for a derived copy: its storage and in-place version. A weight made
+    inside `torch.inference_mode` (a model built there, or q/k/v stacked there on a first `install`) keeps no
+    version counter: only its replacement is seen."""
+    return weight.data_ptr(), -1 if weight.is_inference() else weight._version
+
+
 def _half_weight(weight: torch.Tensor) -> torch.Tensor:
     """The weight's half copy, made again whenever the weight was replaced or changed in place (training)."""
-    stamp = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)
+    stamp = _stamp(weight)
     cached = _HALVES.get(id(weight))
     if cached is None or cached[0]() is not weight or cached[1] != stamp:
         for key in [k for k, (ref, _, _) in _HALVES.items() if ref() is None]:
@@ -255,13 +262,11 @@ def _packed_weight(module: torch.nn.Linear, form: str = PACKED) -> torch.Tensor:
     """The module's packed weight, re-packed whenever the weight was replaced or changed in place.
 
     Why the check: a model fine-tuned or loaded into after `install` (training the EESD head, tests that
-    copy weights in) must not keep multiplying by a stale copy. A weight made inside `torch.inference_mode` (a
-    model built there, or q/k/v stacked there on its first `install`) keeps no version counter: only its
-    replacement is seen.
+    copy weights in) must not keep multiplying by a stale copy.
     """
     packs = _PACK_STORES[form]
     weight = module.weight
-    stamp = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)
+    stamp = _stamp(weight)
     cached = packs.get(module)
     if cached is None or cached[0] != stamp:
         cached = (stamp, _pack(weight, form))
