@@ -3,11 +3,17 @@ layers fused beside them (EAGLE-3)? Two heads trained side by side from the same
 conversations, steps, seed and draft vocabulary; held-out top-1 / top-4 agreement by depth 1-4 for each.
 
 The fused head starts as the plain one (its tapped layers weigh zero), so any difference is what the taps
-teach it. ShareGPT conversations as they are (one target forward per sequence: the cheap data), the same
-128 held-out prompts `rasd train eagle` evaluates on.
+teach it. Text: ShareGPT conversations as they are (one target forward per sequence: the cheap data), or with
+`--selfgen N` the target's own answers in the first N cached chunks of `rasd train eagle --regenerate` (the
+shipped head's kind of data; their features are recomputed by the fp32 target with the taps). `--init PATH`
+starts both arms from a trained head (the fused arm: its weights, taps weighing zero), so the question is
+asked at the shipped head's scale, not from scratch. The same 128 held-out prompts `rasd train eagle`
+evaluates on.
 
     python scripts/eagle_layers_ab.py --seqs 512 --steps 150 --taps 2,15 \
         --out docs/results/eagle_layers_ab.json
+    python scripts/eagle_layers_ab.py --init rasd/decoding/heads/smollm2-135m-instruct.safetensors \
+        --selfgen 8 --steps 600 --lr 1e-3 --out docs/results/eagle_layers_ab_v12.json
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rasd.decoding.eagle import EagleHead
+from rasd.decoding.eagle import EagleHead, load_head
 from rasd.decoding.model_loading import load_model
 from rasd.train.common import _prompt_of, generation_cache, prompt_windows
 from rasd.train.eagle import (
@@ -43,6 +49,9 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--eval-seqs", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init", type=Path, default=None, help="start both arms from this trained head")
+    parser.add_argument("--selfgen", type=int, default=0,
+                        help="train on the own answers of the first N cached selfgen chunks, not ShareGPT")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     taps = tuple(int(t) for t in args.taps.split(","))
@@ -52,31 +61,55 @@ def main() -> None:
     n_eval = min(args.eval_seqs, max(1, len(rows) // 10))
     train_rows, eval_rows = rows[: len(rows) - n_eval][: args.seqs], rows[len(rows) - n_eval:]
     t0 = time.perf_counter()
-    data = extract_features(target.model, conversation_ids(target.tokenizer, train_rows, args.seq_len), None,
-                            taps=taps)
+    texts = (own_answers(args.selfgen) if args.selfgen
+             else conversation_ids(target.tokenizer, train_rows, args.seq_len))
+    data = extract_features(target.model, texts, None, taps=taps)
     features_s = time.perf_counter() - t0
     eos = set(target.eos_token_ids or ())
-    vocab = draft_vocabulary(data["counts"], args.draft_vocab, eos)
+    vocab = (load_head(target.model, args.init).vocab if args.init
+             else draft_vocabulary(data["counts"], args.draft_vocab, eos))
     windows = prompt_windows(target.tokenizer, [p for p in (_prompt_of(r) for r in eval_rows) if p], 32)
     seqs, feats, valid = held_out_set(target.model, windows, 48, eos, generation_cache("default"), taps=taps)
     hidden = target.model.config.hidden_size
     arms = {"final": ((), hidden), f"final+layers{list(taps)}": (taps, feats.shape[-1])}
     result = {"model": "default", "train_sequences": len(data["tokens"]),
               "train_tokens": sum(len(s) for s in data["tokens"]), "steps": args.steps, "lr": args.lr,
-              "seed": args.seed, "ttt": True, "draft_vocab": args.draft_vocab, "features_s": round(features_s, 1),
+              "seed": args.seed, "ttt": True, "init": str(args.init) if args.init else None,
+              "text": f"own answers, {args.selfgen} selfgen chunks" if args.selfgen else "ShareGPT as is",
+              "draft_vocab": args.draft_vocab, "features_s": round(features_s, 1),
               "torch_threads": torch.get_num_threads(), "arms": {}}
     for name, (arm_taps, width) in arms.items():
         torch.manual_seed(args.seed)
-        head = EagleHead(target.model, vocab, taps=arm_taps)
+        head = start_arm(target.model, vocab, arm_taps, args.init)
+        before = depth_agreement(head.eval(), seqs, feats[..., -width:], valid, windows.shape[1])
         t1 = time.perf_counter()
         final = train_head(head, data["tokens"], [f[:, -width:] for f in data["feats"]], args.steps, lr=args.lr,
                            seed=args.seed, ttt=True)
         result["arms"][name] = {"taps": list(arm_taps), "train_s": round(time.perf_counter() - t1, 1),
-                                "final_train": final,
+                                "final_train": final, "agreement_before": before,
                                 "agreement": depth_agreement(head, seqs, feats[..., -width:], valid, windows.shape[1])}
         print(name, result["arms"][name]["agreement"], flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def own_answers(chunks: int) -> list[list[int]]:
+    """The token ids of the answers in the first `chunks` cached selfgen chunk files (oldest first)."""
+    files = sorted(generation_cache("default").glob("*-features.pt"), key=lambda f: f.stat().st_mtime)
+    if len(files) < chunks:
+        raise SystemExit(f"--selfgen {chunks}: only {len(files)} cached chunks under {generation_cache('default')}")
+    return [list(t) for f in files[:chunks] for t in torch.load(f)["tokens"]]
+
+
+def start_arm(target: torch.nn.Module, vocab: torch.Tensor | None, taps: tuple[int, ...],
+              init: Path | None) -> EagleHead:
+    """A new head over `vocab`, or `init`'s weights (taps weighing zero: it starts as `init` exactly)."""
+    head = EagleHead(target, vocab, taps=taps)
+    if init is not None:
+        trained = load_head(target, init).float().state_dict()
+        missing, unexpected = head.load_state_dict(trained, strict=False)
+        assert not unexpected and all(k.startswith("fc_taps") for k in missing), (missing, unexpected)
+    return head.float().train()
 
 
 if __name__ == "__main__":

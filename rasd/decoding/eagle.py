@@ -8,9 +8,10 @@ into a distribution over x_{t+2}. Layout:
     layer: one decoder layer of the target's architecture (its own weights, its own small KV cache)
     head:  the target's LM head (restricted to a draft vocabulary when one was trained: `SubsetHead`)
 
-With `taps` (EAGLE-3's fused features, training experiments only so far) the context features are the outputs
-of those target layers, each RMS-normalised, beside f_t: [.., (len(taps) + 1) H]; `fc_taps` maps them to H
-first, starting as f_t alone. A draft node's own predicted feature is [.., H] and skips it.
+With `taps` (EAGLE-3's fused features) the context features are the outputs of those target layers, each
+RMS-normalised, beside f_t: [.., (len(taps) + 1) H] (`features.FinalNormTap` keeps them from the verification
+forward); `fc_taps` maps them to H first, starting as f_t alone. A draft node's own predicted feature is
+[.., H] and skips it.
 
 The target's embedding, rotary tables and LM head are shared, not copied: the file holds `fc`, the layer and
 the draft vocabulary (token ids). The target's features of accepted tokens come from the verification forward
@@ -131,8 +132,8 @@ class EagleHead(nn.Module):
     def fuse(self, feats: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """[.., H] features f_t (or [.., (taps + 1) H] with the tapped layers) and [..] tokens x_{t+1} -> the
         layer's input [.., H]."""
-        if feats.shape[-1] != self.config.hidden_size:
-            feats = self.fc_taps(feats)
+        if feats.shape[-1] != self.config.hidden_size:   # the target's context features, with tapped layers
+            feats = self.final_features(feats) if self.fc_taps is None else self.fc_taps(feats)
         embed = F.embedding(next_ids, self._shared[0].embed_tokens.weight.detach())
         return self.fc(torch.cat([embed.to(feats.dtype), feats], dim=-1))
 
@@ -198,15 +199,13 @@ def save_head(path: Path, head: EagleHead, report: dict[str, Any] | None = None,
     Written to a temporary name and renamed: a crash leaves the previous head intact."""
     from safetensors.torch import save_file
 
-    if head.taps:
-        raise ValueError("a head reading tapped target layers cannot be saved: decoding feeds final features only")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     dtype = torch.float16 if half else torch.float32
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in head.state_dict().items()}
     if head.vocab is not None:
         tensors[VOCAB_KEY] = head.vocab.contiguous()
-    meta = {"format": FORMAT, "config": asdict(head.config), "report": report or {}}
+    meta = {"format": FORMAT, "config": asdict(head.config), "taps": list(head.taps), "report": report or {}}
     save_file(tensors, str(tmp), metadata={"rasd": json.dumps(meta)})
     tmp.replace(path)
 
@@ -231,6 +230,14 @@ def check_head(path: Path, target: nn.Module) -> None:
     diff = HeadConfig(**meta["config"]).mismatch(HeadConfig.of(target))
     if diff is not None:
         raise ValueError(f"{path} was trained for another model ({diff}); train one with `rasd train eagle`")
+    layers = len(target.get_decoder().layers)
+    if any(not 0 <= int(i) < layers for i in head_taps(path)):
+        raise ValueError(f"{path} reads target layers {head_taps(path)}; this model has layers 0..{layers - 1}")
+
+
+def head_taps(path: Path | str) -> tuple[int, ...]:
+    """The target layers a head file reads beside the final features (EAGLE-3); () for a plain head."""
+    return tuple(int(i) for i in read_meta(Path(path)).get("taps", ()))
 
 
 def load_head(target: nn.Module, path: Path | str | None = None, model_name: str = "default") -> EagleHead:
@@ -246,7 +253,7 @@ def load_head(target: nn.Module, path: Path | str | None = None, model_name: str
     vocab = state.pop(VOCAB_KEY, None)
     if vocab is not None and (vocab.numel() == 0 or int(vocab.max()) >= HeadConfig.of(target).vocab_size):
         raise ValueError(f"{file}: its draft vocabulary does not fit this model's vocabulary")
-    head = EagleHead(target, vocab)
+    head = EagleHead(target, vocab, taps=head_taps(file))
     param = next(target.parameters())
     head.load_state_dict({k: v.to(param.device, param.dtype) for k, v in state.items()})
     return head.to(param.device).eval()

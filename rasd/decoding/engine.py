@@ -125,7 +125,8 @@ class SpeculativeDecoder:
             install(draft_model)
         self.proposer = proposer
         if getattr(proposer, "wants_hidden", False):
-            shared_tap(model)   # the target's forwards hand the proposer its features (`decoding.features`)
+            # the target's forwards hand the proposer its features (`decoding.features`), with the layers it taps
+            shared_tap(model, tuple(getattr(proposer, "feature_layers", ())))
         self.tokenizer = tokenizer
         self.sizer = sizer or FixedSizer()
         self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 2048))

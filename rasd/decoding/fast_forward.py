@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from rasd.decoding.cache import TreeCache, cache_kwargs
+from rasd.decoding.features import layer_keepers
 from rasd.decoding.kernels import GATE_UP, QKV, fast_enabled, projections
 
 # Architectures whose decoder layer is exactly: pre-norm attention (q/k/v/o Linear, rotary, GQA) + pre-norm
@@ -90,8 +91,11 @@ def _decode(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
             causal, pad = True, past
         else:
             mask = _causal_mask(past, input_ids.shape[1], hidden.dtype, hidden.device)
-    for layer, kv in zip(inner.layers, cache.layers, strict=False):
+    keepers = layer_keepers(inner)   # a fused EAGLE head reads some layers' outputs (`decoding.features`)
+    for i, (layer, kv) in enumerate(zip(inner.layers, cache.layers, strict=False)):
         hidden = _layer(layer, kv, hidden, cos, sin, mask, causal, pad)
+        for keeper in keepers:
+            keeper.keep(i, hidden)
     return hidden
 
 
@@ -179,8 +183,11 @@ def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Ten
     rope_c = [t[:, None] for t in inner.rotary_emb.forward(hidden_c, chunk_pos)]          # [1, 1, C, D]
     mask_c = _prompt_mask(past, chunk_ids.shape[1], hidden_c.dtype, hidden_c.device)
     hidden = torch.cat([hidden_d.reshape(rows, -1), hidden_c[0]])                         # [B·W + C, H]
-    for layer, kv_d, kv_c in zip(inner.layers, cache.layers, chunk_cache.layers, strict=False):
+    keepers = layer_keepers(inner)
+    for i, (layer, kv_d, kv_c) in enumerate(zip(inner.layers, cache.layers, chunk_cache.layers, strict=False)):
         hidden = _layer_mixed(layer, (kv_d, kv_c), hidden, (batch, width), (rope_d, rope_c), (mask, mask_c))
+        for keeper in keepers:
+            keeper.keep(i, hidden)
     normed = model.model.norm(hidden)   # every position: the chunk's features too (`decoding.features`)
     return model.lm_head(torch.cat([normed[:rows], normed[-1:]]) if chunk_last else normed[:rows])
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from rasd.decoding import fast_forward
 from rasd.decoding.cache import TreeCache, drop_rows
-from rasd.decoding.features import norm_tap
+from rasd.decoding.features import layer_keepers, norm_tap
 from rasd.decoding.kernels import QKV, projections
 from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.tree import DraftTree
@@ -262,7 +262,8 @@ class StaticRows:
         return self._captured[shape]
 
     def _step(self, inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The static forward: logits [Bb, Tb, vocab] (model dtype) and the final-norm features [Bb, Tb, H];
+        """The static forward: logits [Bb, Tb, vocab] (model dtype) and the features [Bb, Tb, F] (the final norm's
+        output, with the tapped layers' before it: `decoding.features`);
         writes K/V at S .. S + Tb of every slot."""
         inner = self.model.model
         rows, width = inputs.ids.shape
@@ -270,10 +271,14 @@ class StaticRows:
         cos, sin = (t[:, None] for t in inner.rotary_emb.forward(hidden, inputs.pos))  # [Bb, 1, Tb, D]
         mask = _tree_mask(inputs, hidden.dtype)                                       # [Bb, 1, Tb, Kb]
         write = inputs.start + torch.arange(width, device=self.device)                # [Tb]
-        for layer, store in zip(inner.layers, self.kv, strict=True):
+        keepers = layer_keepers(inner)   # a fused EAGLE head reads some layers' outputs (`decoding.features`)
+        for i, (layer, store) in enumerate(zip(inner.layers, self.kv, strict=True)):
             hidden = _layer(layer, store[:, :rows], hidden, (cos, sin), mask, write, inputs.keys)
+            for keeper in keepers:
+                keeper.keep(i, hidden)
         normed = inner.norm(hidden)
-        return self.model.lm_head(normed), normed
+        tap = norm_tap(self.model)   # its hook just stacked the tapped layers before `normed`: a replay hands that
+        return self.model.lm_head(normed), tap.last if tap is not None and tap.layers else normed
 
 
 def _tree_mask(inputs: _Inputs, dtype: torch.dtype) -> torch.Tensor:

@@ -102,6 +102,15 @@ def load_draft_model(spec: str, device: str = "cpu", dtype: str = "float32", ees
     return load_model(spec, device=device, dtype=dtype).model
 
 
+def spec_taps(spec: Any) -> tuple[int, ...]:
+    """The target layers an EAGLE head spec reads beside the final features (its clients send them too)."""
+    if isinstance(spec, EagleHead):
+        return spec.taps
+    from rasd.decoding.eagle import head_path, head_taps
+
+    return head_taps(head_path(eagle_target(spec) or "default"))
+
+
 def check_spec(spec: str) -> None:
     """Fail before any actor starts when the spec is the EESD self-draft and its trained weights are missing
     (workers could only fail to load them, one restart after another)."""
@@ -260,8 +269,10 @@ class RemoteDraft:
 
     def __init__(self, actor: Any, request_id: str | None = None, timeout_s: float = CALL_TIMEOUT_S,
                  backoff_s: float = BACKOFF_S, health: DraftHealth | None = None, device: str = "cpu",
-                 clock: Callable[[], float] = time.monotonic, wants_hidden: bool = False):
+                 clock: Callable[[], float] = time.monotonic, wants_hidden: bool = False,
+                 feature_layers: tuple[int, ...] = ()):
         self.wants_hidden = wants_hidden
+        self.feature_layers = tuple(feature_layers)   # the target layers the worker's head reads (EAGLE-3)
         self.pending: list[tuple[int, torch.Tensor]] = []   # features not yet sent to the worker
         self.actor = actor
         self.request_id = request_id or uuid.uuid4().hex
@@ -409,6 +420,7 @@ class DraftPool:
         self._next = 0
         # the workers host an EAGLE head: their clients forward the target's features
         self.wants_hidden = isinstance(spec, EagleHead) or (isinstance(spec, str) and eagle_target(spec) is not None)
+        self.feature_layers = spec_taps(spec) if self.wants_hidden else ()
         self.wait_ready(start_timeout_s)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> list[dict[str, Any]]:
@@ -432,7 +444,7 @@ class DraftPool:
         i = self._next % len(self.actors)
         self._next += 1
         return RemoteDraft(self.actors[i], request_id, self.timeout_s, self.backoff_s, self.health[i], self.device,
-                           wants_hidden=self.wants_hidden)
+                           wants_hidden=self.wants_hidden, feature_layers=self.feature_layers)
 
     def stats(self) -> dict[str, Any]:
         """What /v1/info reports: the workers, their names (for `ray.get_actor`) and failure counts."""

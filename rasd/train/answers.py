@@ -22,15 +22,19 @@ import torch
 
 from rasd.decoding import fast_forward
 from rasd.decoding.cache import GrowableLayer
+from rasd.decoding.features import layer_feature
 
 
 @torch.inference_mode()
 def answers_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: int,
                           temperature: float = 0.0, generator: torch.Generator | None = None,
-                          eos: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          eos: list[int] | None = None, taps: tuple[int, ...] = ()
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Answers [K, P + G'] to `windows` [K, P] and the final-norm output [K, P + G' - 1, H] (fp16) of every
-    position that was forwarded (the last token never is). Greedy, or sampled at `temperature`. Rows run in
-    lockstep until every one has written an `eos` token (G' <= G); the caller cuts each after its first."""
+    position that was forwarded (the last token never is); with `taps`, those layers' outputs before it, as a
+    fused head reads them ([.., (len(taps) + 1) H], `features.layer_feature`). Greedy, or sampled at
+    `temperature`. Rows run in lockstep until every one has written an `eos` token (G' <= G); the caller cuts
+    each after its first."""
     inner, head = model.get_decoder(), model.get_output_embeddings()
     param = next(model.parameters())
     k, p = windows.shape
@@ -41,8 +45,9 @@ def answers_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_tok
     stops = torch.tensor(sorted(set(eos or ())), dtype=torch.long)
     done = torch.zeros(k, dtype=torch.bool)
     for step in range(gen_tokens):
-        normed = inner.norm(_forward(inner, caches, ids, positions))              # [K, T, H]
-        feats.append(normed.to(torch.float16).cpu())
+        hidden, tapped = _forward(inner, caches, ids, positions, taps)
+        normed = inner.norm(hidden)                                              # [K, T, H]
+        feats.append(torch.cat([*tapped, normed], dim=-1).to(torch.float16).cpu())   # [K, T, (taps + 1) H]
         logits = head(normed[:, -1]).float()                                     # [K, V]
         ids = _next(logits, temperature, generator)[:, None]                     # [K, 1]
         out.append(ids.cpu())
@@ -53,14 +58,19 @@ def answers_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_tok
     return torch.cat(out, dim=1), torch.cat(feats, dim=1)
 
 
-def _forward(inner: Any, caches: list[GrowableLayer], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Hidden states [K, T, H] after the last layer; T > 1 only for the prompt (causal, empty cache)."""
+def _forward(inner: Any, caches: list[GrowableLayer], ids: torch.Tensor, positions: torch.Tensor,
+             taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Hidden states [K, T, H] after the last layer, and the tapped layers' features [K, T, H] in `taps` order;
+    T > 1 only for the prompt (causal, empty cache)."""
     hidden = torch.nn.functional.embedding(ids, inner.embed_tokens.weight)
     cos, sin = inner.rotary_emb.forward(hidden, positions)
     causal = ids.shape[1] > 1
-    for layer, kv in zip(inner.layers, caches, strict=True):
+    kept: dict[int, torch.Tensor] = {}
+    for i, (layer, kv) in enumerate(zip(inner.layers, caches, strict=True)):
         hidden = fast_forward._layer(layer, kv, hidden, cos[:, None], sin[:, None], None, causal, 0)
-    return hidden
+        if i in taps:
+            kept[i] = layer_feature(hidden)
+    return hidden, [kept[i] for i in taps]
 
 
 _BLOCK = 1024   # vocabulary entries per block of `_draw`

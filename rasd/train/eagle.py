@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from rasd.decoding.eagle import EagleHead, save_head
-from rasd.decoding.features import FinalNormTap, LayerTaps, final_norm
+from rasd.decoding.features import FinalNormTap, final_norm
 from rasd.train.common import check_numbers, greedy_continuations, model_fingerprint, write_json
 
 DEPTHS = 4
@@ -76,7 +76,8 @@ def user_turns(row: dict, turns: tuple[int, ...] = (1,)) -> list[str]:
 
 def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path | None, window: int = 32,
                      batch: int = 128, turns: tuple[int, ...] = (1,), gen_dtype: str = "float32",
-                     temperature: float = 0.0, seed: int = 0, samples: int = 1) -> dict[str, Any]:
+                     temperature: float = 0.0, seed: int = 0, samples: int = 1, taps: tuple[int, ...] = ()
+                     ) -> dict[str, Any]:
     """The target's answers (greedy, or sampled at `temperature`) to each conversation's user turns `turns`
     (default the first), with their features (EAGLE-3's data).
 
@@ -89,7 +90,7 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     several times faster on AMX CPUs and GPUs; its text is its own, not the fp32 target's greedy text).
     `temperature` > 0: sampled answers (seeded per chunk), more distinct text from the same prompts; `samples`
     of them per prompt, each draw with its own seeds (draw 0 keeps the seeds a single draw always had, so its
-    cached chunks are reused).
+    cached chunks are reused). `taps`: the features carry those layers too (a fused head's; cached apart).
     Returns what `extract_features` does: {"tokens": [list], "feats": [fp16 [n_i, H]], "counts": [vocab]}.
     """
     from rasd.train.common import prompt_windows
@@ -104,7 +105,7 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     chunks = [(draw, s) for draw in range(samples) for s in range(0, len(windows), batch)]
     for draw, s in tqdm(chunks, desc=f"answers with features ({batch} a chunk)", unit="chunk"):
         part = _answers_chunk(model, windows[s: s + batch], gen_tokens, eos, cache, temperature,
-                              seed + s + draw * SAMPLE_SEED_STRIDE)
+                              seed + s + draw * SAMPLE_SEED_STRIDE, taps)
         out["tokens"] += part["tokens"]
         out["feats"] += part["feats"]
         out["counts"] += part["counts"]
@@ -130,18 +131,21 @@ def _generation_copy(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
 
 
 def _answers_chunk(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: int, eos: list[int],
-                   cache: Path | None, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+                   cache: Path | None, temperature: float = 0.0, seed: int = 0, taps: tuple[int, ...] = ()
+                   ) -> dict[str, Any]:
     """One chunk of `regenerated_data`, read from / written to the cache (written whole, atomically)."""
     from rasd.train.common import generation_key
 
     key, dtype = generation_key(model, windows, gen_tokens, eos), next(model.parameters()).dtype
     if temperature > 0 or dtype != torch.float32:   # greedy fp32 keeps the key earlier caches were written under
         key += "-" + hashlib.sha256(f"{dtype} {temperature} {seed}".encode()).hexdigest()[:8]
+    if taps:
+        key += "-taps" + "-".join(str(i) for i in taps)
     file = cache / f"{key}-features.pt" if cache is not None else None
     data = _read_shard(file, len(windows))
     if data is not None:
         return data
-    data = _generate_with_features(model, windows, gen_tokens, eos, temperature, seed)
+    data = _generate_with_features(model, windows, gen_tokens, eos, temperature, seed, taps)
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(data, file.with_name(file.name + ".tmp"))
@@ -151,10 +155,10 @@ def _answers_chunk(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: in
 
 @torch.no_grad()
 def _generate_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: int, eos: list[int],
-                            temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
-    """Answers [K, P + G'] and the final-norm output of every forward of the generation: greedy, or sampled at
-    `temperature` (Llama-style models: `rasd.train.answers`, batched on one in-place cache per layer; others: HF
-    `generate`, greedy only).
+                            temperature: float = 0.0, seed: int = 0, taps: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Answers [K, P + G'] and the final-norm output (after `taps`' layers, if any) of every generation forward:
+    greedy, or sampled at `temperature` (Llama-style models: `rasd.train.answers`, batched on one in-place cache
+    per layer; others: HF `generate`, greedy only).
 
     The prefill gives the prompt's P features, each step one more: P + G' - 1 in all (the last token is
     never forwarded, so an answer without EOS loses its last token). Greedy-token counts: the next token of
@@ -165,14 +169,16 @@ def _generate_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_t
     device = next(model.parameters()).device
     if fast_forward.supports(model):
         gen = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
-        seq, feats = answers.answers_with_features(model, windows, gen_tokens, temperature, gen, eos)
-    elif temperature > 0:
-        raise ValueError(f"sampled answers need a Llama-style model; {type(model).__name__} is not one")
+        seq, feats = answers.answers_with_features(model, windows, gen_tokens, temperature, gen, eos, taps)
+    elif temperature > 0 or taps:
+        raise ValueError(f"sampled answers and tapped layers need a Llama-style model; {type(model).__name__} "
+                         f"is not one")
     else:
         seq, feats = _hf_answers(model, windows, gen_tokens, eos)
     p, vocab = windows.shape[1], model.get_output_embeddings().weight.shape[0]
     dtype = next(model.parameters()).dtype
-    prompt_greedy = model.get_output_embeddings()(feats[:, : p - 1].to(device, dtype)).argmax(-1).cpu()
+    final = feats[:, : p - 1, -model.config.hidden_size:]
+    prompt_greedy = model.get_output_embeddings()(final.to(device, dtype)).argmax(-1).cpu()
     counts = torch.bincount(prompt_greedy.reshape(-1), minlength=vocab)[:vocab]
     tokens, kept = [], []
     for i, row in enumerate(seq.tolist()):
@@ -211,15 +217,15 @@ def sequences_key(sequences: list[list[int]], salt: str = "") -> str:
 def extract_features(target: torch.nn.Module, sequences: list[list[int]], folder: Path | None, batch: int = 8,
                      shard: int = 64, taps: tuple[int, ...] = ()) -> dict[str, Any]:
     """Final-norm features (fp16) of every position, the sequences and the target's greedy-token counts; with
-    `taps`, those layers' normalised outputs before the final features ([n_i, (len(taps) + 1) H], `LayerTaps`).
+    `taps`, those layers' normalised outputs before the final features ([n_i, (len(taps) + 1) H],
+    `FinalNormTap.stacked`).
 
     Written in shards of `shard` sequences under `folder` (resumable: existing shards are read, not recomputed).
     Returns {"tokens": [list], "feats": [tensor [n_i, H]], "counts": tensor [vocab]}.
     """
     vocab = target.get_output_embeddings().weight.shape[0]
     out: dict[str, Any] = {"tokens": [], "feats": [], "counts": torch.zeros(vocab, dtype=torch.long)}
-    tap = FinalNormTap(target)
-    layers = LayerTaps(target, taps) if taps else None
+    tap = FinalNormTap(target, taps)
     salt = f"taps={list(taps)}" if taps else ""
     try:
         for s in tqdm(range(0, len(sequences), shard), desc="target features", unit="shard"):
@@ -227,7 +233,7 @@ def extract_features(target: torch.nn.Module, sequences: list[list[int]], folder
             file = folder / f"shard-{sequences_key(part, salt)}.pt" if folder is not None else None
             data = _read_shard(file, len(part))
             if data is None:
-                data = _shard_features(target, tap, part, batch, vocab, layers)
+                data = _shard_features(target, tap, part, batch, vocab)
                 if file is not None:
                     file.parent.mkdir(parents=True, exist_ok=True)
                     torch.save(data, file.with_name(file.name + ".tmp"))
@@ -237,8 +243,6 @@ def extract_features(target: torch.nn.Module, sequences: list[list[int]], folder
             out["counts"] += data["counts"]
     finally:
         tap.remove()
-        if layers is not None:
-            layers.remove()
     return out
 
 
@@ -252,8 +256,8 @@ def _read_shard(file: Path | None, n: int) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and len(data.get("feats", [])) == n else None
 
 
-def _shard_features(target: torch.nn.Module, tap: FinalNormTap, part: list[list[int]], batch: int, vocab: int,
-                    layers: LayerTaps | None = None) -> dict[str, Any]:
+def _shard_features(target: torch.nn.Module, tap: FinalNormTap, part: list[list[int]], batch: int, vocab: int
+                    ) -> dict[str, Any]:
     device = next(target.parameters()).device
     feats, counts = [], torch.zeros(vocab, dtype=torch.long)
     for b in range(0, len(part), batch):
@@ -265,9 +269,8 @@ def _shard_features(target: torch.nn.Module, tap: FinalNormTap, part: list[list[
             ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
         logits = target(ids.to(device), attention_mask=mask.to(device)).logits   # right padding: causal rows exact
         greedy = logits.argmax(-1).cpu()
-        last = tap.last if layers is None else layers.stacked(tap.last)
         for i, r in enumerate(rows):
-            feats.append(last[i, : len(r)].half().cpu())
+            feats.append(tap.last[i, : len(r)].half().cpu())
             counts += torch.bincount(greedy[i, : len(r)], minlength=vocab)[:vocab]
     return {"feats": feats, "counts": counts}
 
@@ -556,6 +559,9 @@ def add_parser(sub: Any) -> None:
                    help="EAGLE-3's training-time test: also train depth 2 on the head's own predicted features")
     p.add_argument("--init", type=Path, default=None,
                    help="continue training this head (its weights and draft vocabulary) instead of a new one")
+    p.add_argument("--taps", default="",
+                   help="EAGLE-3's fused features: target layers (0-based, comma separated, e.g. 2,15) read beside "
+                        "the final features; with --init of a plain head, they start at zero weight")
     p.add_argument("--eval-seqs", type=int, default=128, help="held-out prompts (conversations never trained on)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -600,6 +606,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _turns(getattr(args, "turns", "1"))   # a bad --turns is refused before the data and the model are read
+        _taps(getattr(args, "taps", ""))
         check_numbers(args, positive=("seqs", "seq_len", "steps", "epochs", "batch", "lr", "eval_seqs", "gen_batch"),
                       non_negative=("noise", "cls_weight", "draft_vocab", "regenerate"))
         if not 0.0 <= getattr(args, "temperature", 0.0) <= 10.0:
@@ -633,15 +640,18 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     regen, turns = getattr(args, "regenerate", 0), _turns(getattr(args, "turns", "1"))
+    taps = _taps(getattr(args, "taps", ""))
+    _check_taps(target.model, taps)
     folder = features_dir / model_fingerprint(target.model)
     if regen:
         data = regenerated_data(target, train_rows, regen, selfgen, turns=turns,
                                 gen_dtype=getattr(args, "gen_dtype", "float32"),
                                 temperature=getattr(args, "temperature", 0.0), seed=args.seed,
-                                batch=getattr(args, "gen_batch", 128), samples=getattr(args, "samples", 1))
+                                batch=getattr(args, "gen_batch", 128), samples=getattr(args, "samples", 1),
+                                taps=taps)
     else:
         seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
-        data = extract_features(target.model, seqs, folder) if seqs else {"tokens": []}
+        data = extract_features(target.model, seqs, folder, taps=taps) if seqs else {"tokens": []}
     seqs = data["tokens"]
     if not seqs:
         raise ValueError("no training conversation has 32 tokens")
@@ -650,8 +660,8 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     vocab = draft_vocabulary(data["counts"], args.draft_vocab, eos)
     prompts = [p for p in (_prompt_of(r) for r in eval_rows) if p]
     windows = prompt_windows(target.tokenizer, prompts, 32)
-    eval_seqs, eval_feats, eval_valid = held_out_set(target.model, windows, 48, eos, selfgen)
-    head = _start_head(target.model, vocab, args.init)
+    eval_seqs, eval_feats, eval_valid = held_out_set(target.model, windows, 48, eos, selfgen, taps=taps)
+    head = _start_head(target.model, vocab, args.init, taps)
     before = depth_agreement(head.eval(), eval_seqs, eval_feats, eval_valid, windows.shape[1])
     tokens = sum(len(s) for s in seqs)
     steps = args.steps if args.steps is not None else max(1, math.ceil(args.epochs * len(seqs) / args.batch))
@@ -659,6 +669,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     order_seed = _order_seed(args)
     settings = [len(seqs), args.seq_len, regen, steps, args.batch, args.lr, args.noise, args.cls_weight, order_seed,
                 args.draft_vocab] + ([args.ttt, str(args.init)] if args.ttt or args.init else [])
+    settings += [list(taps)] if taps else []
     checkpoint = folder / f"checkpoint-{sequences_key(seqs, str(settings))}.pt"   # resumed only with the same settings
     final = train_head(head, data["tokens"], data["feats"], steps, args.batch, args.lr, args.noise,
                        args.cls_weight, order_seed, checkpoint=checkpoint, ttt=args.ttt)
@@ -673,7 +684,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
               "gen_dtype": getattr(args, "gen_dtype", "float32") if regen else None,
               "temperature": getattr(args, "temperature", 0.0) if regen else None,
               "samples": getattr(args, "samples", 1) if regen else None,
-              "init": str(args.init) if args.init else None,
+              "init": str(args.init) if args.init else None, "taps": list(taps),
               "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
               "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,
               "final_train": final, "features_s": round(features_s, 1), "train_s": round(train_s, 1),
@@ -687,13 +698,42 @@ def _order_seed(args: argparse.Namespace) -> int:
     return args.seed if order_seed is None else order_seed
 
 
-def _start_head(target: torch.nn.Module, vocab: torch.Tensor | None, init: Path | None) -> EagleHead:
-    """A pass-through head over `vocab`, or `init`'s weights and draft vocabulary (continued training)."""
+def _start_head(target: torch.nn.Module, vocab: torch.Tensor | None, init: Path | None,
+                taps: tuple[int, ...] = ()) -> EagleHead:
+    """A pass-through head over `vocab`, or `init`'s weights and draft vocabulary (continued training). With
+    `taps` and a plain `init`, the fused head starts as `init` exactly (the tapped layers weigh zero)."""
     if init is None:
-        return EagleHead(target, vocab)
+        return EagleHead(target, vocab, taps=taps)
     from rasd.decoding.eagle import load_head
 
-    return load_head(target, init).float().train()
+    start = load_head(target, init).float()
+    if start.taps == taps:
+        return start.train()
+    if start.taps:
+        raise ValueError(f"--init {init} reads layers {list(start.taps)}; continue it with --taps "
+                         f"{','.join(map(str, start.taps))}")
+    head = EagleHead(target, start.vocab, taps=taps)
+    missing, unexpected = head.load_state_dict(start.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("fc_taps") for k in missing), (missing, unexpected)
+    return head.float().train()
+
+
+def _taps(text: str) -> tuple[int, ...]:
+    """`--taps 2,15` -> (2, 15); empty -> () (a plain head)."""
+    try:
+        taps = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"--taps {text!r}: give target layer numbers, comma separated (e.g. 2,15)") from None
+    if len(set(taps)) != len(taps) or any(t < 0 for t in taps):
+        raise ValueError(f"--taps {text!r}: give distinct layer numbers from 0")
+    return taps
+
+
+def _check_taps(target: torch.nn.Module, taps: tuple[int, ...]) -> None:
+    """Refuse layers the target does not have, before any data is written."""
+    layers = len(target.get_decoder().layers)
+    if any(t >= layers for t in taps):
+        raise ValueError(f"--taps {','.join(map(str, taps))}: this model's layers are 0..{layers - 1}")
 
 
 def _out_rows(head: EagleHead) -> int:

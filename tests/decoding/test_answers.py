@@ -29,6 +29,21 @@ def test_greedy_answers_and_features_are_hf_generates() -> None:
     assert torch.allclose(feats.float(), ref_feats.float(), atol=2e-3)
 
 
+def test_answers_with_tapped_layers_carry_what_a_teacher_forward_taps() -> None:
+    """With `taps` (a fused head's data) every position's features are the tapped layers' and the final ones, as
+    `extract_features` takes them from one HF forward over the written text; the text itself is unchanged."""
+    from rasd.train.eagle import extract_features
+
+    target = tiny_llama(3)
+    windows = _windows(4)
+    plain_seq, plain = answers_with_features(target, windows, 10)
+    seq, feats = answers_with_features(target, windows, 10, taps=(0,))
+    assert torch.equal(seq, plain_seq) and feats.shape == (4, 8 + 10 - 1, 128)
+    torch.testing.assert_close(feats[..., 64:], plain)
+    teacher = extract_features(target, [s[:-1].tolist() for s in seq], None, batch=4, shard=4, taps=(0,))["feats"]
+    torch.testing.assert_close(feats.float(), torch.stack(teacher).float(), atol=3e-3, rtol=3e-3)
+
+
 def test_the_loop_stops_once_every_row_wrote_an_eos() -> None:
     target = tiny_llama(3)
     windows = _windows(3)

@@ -286,6 +286,21 @@ def test_train_eagle_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,  # noq
     assert report3["train_tokens"] == report2["train_tokens"]
     assert sorted((tmp_path / "home" / "selfgen").rglob("*.pt")) == answers
     assert not torch.equal(load_file(str(other))["fc.weight"], load_file(str(more))["fc.weight"])
+    # EAGLE-3's fused features: the plain head continued with layer 0 tapped, on answers cached apart
+    fused = tmp_path / "fused.safetensors"
+    assert main([*args[:-2], "--eval-seqs", "4", "--out", str(fused), "--init", str(out), "--regenerate", "12",
+                 "--ttt", "--steps", "10", "--turns", "1,2", "--taps", "0"]) == 0
+    report4 = json.loads(fused.with_suffix(".json").read_text())
+    assert report4["taps"] == [0] and report4["agreement_before"] == report2["agreement_before"], \
+        "the fused head starts as its plain parent"
+    assert read_meta(fused)["taps"] == [0] and "fc_taps.weight" in load_file(str(fused))
+    assert len(sorted((tmp_path / "home" / "selfgen").rglob("*.pt"))) > len(answers), "tapped answers cached apart"
+    assert main(["generate", "--model", str(tiny_model_dir), "--method", "rasd", "--eagle", str(fused), "--prompt",
+                 "the quick brown fox", "--max-new-tokens", "8", "--sizing", "fixed", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == tokens
+    for bad, why in (("9", "layers are 0..2"), ("a", "layer numbers"), ("0,0", "distinct")):
+        assert main([*args[:-2], "--out", str(tmp_path / "x.safetensors"), "--taps", bad]) == 2
+        assert why in capsys.readouterr().err
 
 
 def test_later_user_turns_are_prompts_of_their_own_and_bad_turn_lists_are_refused(tmp_path: Path,
@@ -410,7 +425,7 @@ def test_answers_with_features_match_a_teacher_forward_and_stop_after_eos() -> N
 def test_a_head_reading_tapped_layers_starts_as_the_plain_head_and_trains() -> None:
     """EAGLE-3's fused features: taps of earlier layers beside f_t; at the start the head ignores them (so a
     fused head begins where a plain one does), its targets stay f_{t+1}, and training uses them."""
-    from rasd.decoding.features import LayerTaps
+    from rasd.decoding.features import FinalNormTap
     from rasd.train.eagle import head_loss
 
     target = tiny_llama(0, vocab=96, init=0.02)
@@ -432,13 +447,11 @@ def test_a_head_reading_tapped_layers_starts_as_the_plain_head_and_trains() -> N
     assert a == pytest.approx(b, rel=1e-4)
     train_head(two, fused["tokens"], fused["feats"], 30, batch=8, lr=3e-3, progress=False, ttt=True)
     assert two.fc_taps.weight[:, :hidden].abs().sum() > 0, "the tapped layer's weights were trained"
-    with pytest.raises(ValueError, match="cannot be saved"):
-        save_head(Path("/nonexistent/head.safetensors"), two)
-    taps = LayerTaps(target, (0,))
+    taps = FinalNormTap(target, (0,))
     taps.remove()
     with torch.no_grad():
         target(seqs[:1])
-    assert not taps.last, "a removed tap keeps nothing"
+    assert taps.last is None and not taps.kept, "a removed tap keeps nothing"
 
 
 def test_the_first_forward_is_charged_what_a_whole_draft_step_costs() -> None:

@@ -446,20 +446,23 @@ def test_two_node_cluster_routes_workers_by_resource(two_nodes: str, tmp_path: P
         pool.close()
 
 
-def test_a_head_in_draft_workers_decodes_like_the_local_head(ray_local: None) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["final", "fused"])
+def test_a_head_in_draft_workers_decodes_like_the_local_head(ray_local: None, fused: bool) -> None:
     """`rasd` drafting with the EAGLE head in a worker (the target's features travel with each call) runs
-    the same steps as with the head in-process, and equals HF greedy."""
+    the same steps as with the head in-process, and equals HF greedy; a fused head (EAGLE-3) is sent the
+    tapped layers' features too."""
     from rasd.decoding.eagle import EagleHead
     from rasd.decoding.proposers.eagle import EagleProposer
     from tests.decoding.test_eagle import trained_head
+    from tests.decoding.test_eagle_taps import TAPS, fused_head
 
-    target = tiny_llama(0)
-    local_head = trained_head(0)
-    worker_head = EagleHead(fresh_tiny_llama(0))   # a fresh target: the cached one carries a feature hook
-    worker_head.load_state_dict(local_head.state_dict())
+    target = fresh_tiny_llama(0) if fused else tiny_llama(0)   # a tap with layers stays on its target
+    local_head = fused_head(target) if fused else trained_head(0)
+    worker_head = EagleHead(fresh_tiny_llama(0), taps=local_head.taps)   # a fresh target: the cached one
+    worker_head.load_state_dict(local_head.state_dict())                 # carries a feature hook
     pool = DraftPool(worker_head.eval(), 1, draft_options={"min_prob": 0.0}, named=False, timeout_s=PATIENT_S)
     try:
-        assert pool.wants_hidden
+        assert pool.wants_hidden and pool.feature_layers == (TAPS if fused else ())
         store = SuffixArray.from_documents([random_prompt(60, 70 + i) for i in range(3)])
         prompt = random_prompt(30, 8)
         local = EagleProposer(local_head, min_prob=0.0)

@@ -48,6 +48,11 @@ class EagleProposer(DraftModelProposer):
             self.name = "eagle"
         self._reset_features()
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers the head reads beside the final features (EAGLE-3; () for a plain head)."""
+        return self.head.taps
+
     def _new_cache(self) -> GrowableLayer:
         return GrowableLayer()   # the head's one layer
 
@@ -70,7 +75,8 @@ class EagleProposer(DraftModelProposer):
         return None if self._buf is None else self._buf[: self._n]
 
     def observe_hidden(self, start: int, hidden: torch.Tensor) -> None:
-        """The target's final-norm features [n, H] of positions start .. start + n - 1 (contiguous).
+        """The target's features [n, F] of positions start .. start + n - 1 (contiguous; F = H, or the tapped
+        layers' and the final features side by side for a fused head: `decoding.features`).
 
         Written into a buffer that doubles when full: appending by `torch.cat` copied every feature since the
         prompt's first at every step (9 MB a step after a 4k-token prompt)."""

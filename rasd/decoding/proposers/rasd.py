@@ -153,6 +153,11 @@ class RasdProposer:
         """Whether the draft reads the target's features (an EAGLE head): the engine then hands them over."""
         return bool(getattr(self.draft, "wants_hidden", False))
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers the draft's head reads beside the final features (EAGLE-3)."""
+        return tuple(getattr(self.draft, "feature_layers", ()))
+
     def observe_hidden(self, start: int, hidden: torch.Tensor) -> None:
         """The target's features of positions start.. (`decoding.features`), for the draft."""
         self.draft.observe_hidden(start, hidden)

@@ -144,10 +144,14 @@ class LDLPController:
             if self.tap.last is None or self._unknown:
                 self.k = self.k_max
                 return self.k
-            hidden = self.tap.last[0, -1]
+            hidden = self._final(self.tap.last[0, -1])
         emb = self.embed(torch.tensor([root_token], device=hidden.device))[0]
         self.k = self.predictor.length(ldlp_features(emb, hidden))
         return self.k
+
+    def _final(self, features: torch.Tensor) -> torch.Tensor:
+        """The final-norm part [H] of the tap's features (a fused head's tap holds tapped layers before it)."""
+        return features[..., -self.predictor.hidden_size:]
 
     def limit(self, context: list[int]) -> int:
         """Most tokens to draft this step (k is predicted here; DDD may stop earlier, never before k)."""
@@ -161,7 +165,7 @@ class LDLPController:
         """Keep the hidden state of the last accepted node (the tap holds the verification forward)."""
         last = self.tap.last
         if last is not None and last.shape[0] == 1 and last.shape[1] == len(tree):
-            self._hidden = last[0, accepted[-1] if accepted else 0]
+            self._hidden = self._final(last[0, accepted[-1] if accepted else 0])
         else:   # not a single-request tree forward (e.g. a batched verifier): predict nothing, DDD alone decides
             self._hidden = None
             self._unknown = True
