@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rasd.decoding.eagle import EagleHead, load_head
+from rasd.decoding.eagle import EagleHead, load_head, save_head
 from rasd.decoding.model_loading import load_model
 from rasd.train.common import _prompt_of, generation_cache, prompt_windows
 from rasd.train.eagle import (
@@ -52,6 +52,10 @@ def main() -> None:
     parser.add_argument("--init", type=Path, default=None, help="start both arms from this trained head")
     parser.add_argument("--selfgen", type=int, default=0,
                         help="train on the own answers of the first N cached selfgen chunks, not ShareGPT")
+    parser.add_argument("--arms", default="final,fused", help="which heads to train: final, fused or both")
+    parser.add_argument("--features", type=Path, default=None,
+                        help="keep the computed features in shards here (a second run reads them back)")
+    parser.add_argument("--save", type=Path, default=None, help="write each trained arm here (<arm>.safetensors)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     taps = tuple(int(t) for t in args.taps.split(","))
@@ -63,7 +67,7 @@ def main() -> None:
     t0 = time.perf_counter()
     texts = (own_answers(args.selfgen) if args.selfgen
              else conversation_ids(target.tokenizer, train_rows, args.seq_len))
-    data = extract_features(target.model, texts, None, taps=taps)
+    data = extract_features(target.model, texts, args.features, taps=taps)
     features_s = time.perf_counter() - t0
     eos = set(target.eos_token_ids or ())
     vocab = (load_head(target.model, args.init).vocab if args.init
@@ -71,7 +75,8 @@ def main() -> None:
     windows = prompt_windows(target.tokenizer, [p for p in (_prompt_of(r) for r in eval_rows) if p], 32)
     seqs, feats, valid = held_out_set(target.model, windows, 48, eos, generation_cache("default"), taps=taps)
     hidden = target.model.config.hidden_size
-    arms = {"final": ((), hidden), f"final+layers{list(taps)}": (taps, feats.shape[-1])}
+    arms = {"final": ((), hidden), "fused": (taps, feats.shape[-1])}
+    arms = {name: arm for name, arm in arms.items() if name in args.arms.split(",")}
     result = {"model": "default", "train_sequences": len(data["tokens"]),
               "train_tokens": sum(len(s) for s in data["tokens"]), "steps": args.steps, "lr": args.lr,
               "seed": args.seed, "ttt": True, "init": str(args.init) if args.init else None,
@@ -89,6 +94,9 @@ def main() -> None:
                                 "final_train": final, "agreement_before": before,
                                 "agreement": depth_agreement(head, seqs, feats[..., -width:], valid, windows.shape[1])}
         print(name, result["arms"][name]["agreement"], flush=True)
+        if args.save is not None:
+            save_head(args.save / f"{name}.safetensors", head, {**result["arms"][name], "init": result["init"],
+                                                                "text": result["text"], "steps": args.steps})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

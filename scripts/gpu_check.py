@@ -130,9 +130,39 @@ def check_tiny(device: str, dtype: torch.dtype, files: Path, seeds: int = 3) -> 
                        mean_accepted=res.stats.mean_accepted_tokens)
             results.append(row)
         results.append(check_batch(target, draft, prompt, docs, files, seed))
+        results += [check_fused(seed, vocab, device, dtype, prompt, path) for path in PATHS]
     return {"device": device, "dtype": str(dtype), "runs": results,
             "all_equal": all(r["equal"] for r in results),
             "failed": sorted({r["method"] for r in results if not r["equal"]})}
+
+
+def check_fused(seed: int, vocab: int, device: str, dtype: torch.dtype, prompt: list[int], path: str) -> dict:
+    """A fused EAGLE-3 head (layer 0 tapped, its map random so the tapped values matter): HF greedy's tokens,
+    and the features it was handed equal a teacher forward's (a graph replay runs no hooks: the captured step
+    must hand over the stacked features itself)."""
+    from rasd.decoding.eagle import EagleHead
+    from rasd.train.eagle import extract_features
+
+    row: dict = {"seed": seed, "method": "eagle-fused", "path": path}
+    try:
+        target = tiny_llama(seed, vocab, device, dtype)   # its own: a tap with layers stays on its target
+        head = EagleHead(target, taps=(0,)).eval()
+        with torch.no_grad():
+            head.fc_taps.weight.normal_(std=0.05)
+        proposer = make_proposer("eagle", head=head, min_prob=0.0)
+        res = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16), step=PATHS[path]).generate(prompt, 48)
+        ref = hf_greedy(target, prompt, 48)
+        teacher = extract_features(target, [prompt + res.token_ids], None, batch=1, shard=1, taps=(0,))["feats"][0]
+        fed, start = proposer.feats, proposer.feat_start
+        gap = float((fed[: len(teacher) - start].float().cpu() - teacher[start: start + len(fed)].float()).abs().max())
+        row.update(equal=first_diff(res.token_ids, ref) is None, first_diff=first_diff(res.token_ids, ref),
+                   features_max_abs_diff=gap, features_width=int(fed.shape[-1]))
+        row["equal"] = row["equal"] and gap < (0.1 if dtype != torch.float32 else 1e-2)   # teacher stored fp16
+    except Exception as err:   # noqa: BLE001 - reported, not hidden
+        row.update(equal=False, error=f"{type(err).__name__}: {err}"[:400], trace=traceback.format_exc()[-1500:])
+    print(f"  {dtype} seed {seed} eagle-fused {path}: {row.get('equal')} {row.get('features_max_abs_diff')}",
+          flush=True)
+    return row
 
 
 def check_batch(target: torch.nn.Module, draft: torch.nn.Module, prompt: list[int], docs: list[list[int]],

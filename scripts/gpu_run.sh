@@ -13,7 +13,8 @@
 #        OUT=$OUT bash scripts/gpu_run.sh
 #   (`bash scripts/gpu_stage.sh` builds both folders here, ahead of the lent minutes.)
 #   3. optional, PARTS=head on the same warm machine: more training answers for the EAGLE head, written in bf16 on the
-#      GPU, and the shipped head continued on them; the head and its report come back in $OUT:
+#      GPU, and the shipped head continued on them; the head and its report come back in $OUT (TAPS=2,15: continued
+#      as a fused EAGLE-3 head reading those layers too):
 #        PARTS=head OUT=$OUT bash scripts/gpu_run.sh
 # Every part has its own time limit, so one that hangs or fails leaves the others' results.
 # Elsewhere, with rasd installed normally, run the Python commands below directly.
@@ -78,4 +79,4 @@ part head "${HEAD_S:-420}" python3 -m rasd.cli train eagle --model default --dat
     --regenerate 192 --turns 1,2,3,4 --seqs 3872 --gen-dtype bfloat16 --gen-batch "${GEN_BATCH:-1024}" \
     --temperature "${TEMPERATURE:-0.8}" --samples "${SAMPLES:-4}" --seed 7 --ttt \
     --init rasd/decoding/heads/smollm2-135m-instruct.safetensors --steps "${HEAD_STEPS:-3000}" --batch 32 --lr 1e-3 \
-    --device "$DEVICE" --out "$OUT/head_gpu.safetensors"
+    --device "$DEVICE" ${TAPS:+--taps "$TAPS"} --out "$OUT/head_gpu.safetensors"
