@@ -10,8 +10,10 @@ into a distribution over x_{t+2}. Layout:
 
 With `taps` (EAGLE-3's fused features) the context features are the outputs of those target layers, each
 RMS-normalised, beside f_t: [.., (len(taps) + 1) H] (`features.FinalNormTap` keeps them from the verification
-forward); `fc_taps` maps them to H first, starting as f_t alone. A draft node's own predicted feature is
-[.., H] and skips it.
+forward); the head reads f_t + fc_taps(tapped layers), with `fc_taps` starting at zero, so a fused head begins
+exactly as a plain one (a residual: a map over all of [taps; f_t] that starts as the identity on f_t is the same
+function, but its identity block trained too, and continuing a trained head it set the head back further).
+A draft node's own predicted feature is [.., H] and skips it.
 
 The target's embedding, rotary tables and LM head are shared, not copied: the file holds `fc`, the layer and
 the draft vocabulary (token ids). The target's features of accepted tokens come from the verification forward
@@ -93,7 +95,7 @@ class EagleHead(nn.Module):
         self.config = HeadConfig.of(target)
         hidden = self.config.hidden_size
         self.taps = tuple(taps)
-        self.fc_taps = nn.Linear((len(self.taps) + 1) * hidden, hidden, bias=False) if self.taps else None
+        self.fc_taps = nn.Linear(len(self.taps) * hidden, hidden, bias=False) if self.taps else None
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         layers = target.get_decoder().layers
         self.layer = copy.deepcopy(layers[init_layer])
@@ -119,7 +121,6 @@ class EagleHead(nn.Module):
         self.fc.bias.zero_()
         if self.fc_taps is not None:                 # the fused feature starts as f_t alone
             self.fc_taps.weight.zero_()
-            self.fc_taps.weight[:, -hidden:] = torch.eye(hidden)
         self.layer.self_attn.o_proj.weight.zero_()
         self.layer.mlp.down_proj.weight.zero_()
 
@@ -132,8 +133,10 @@ class EagleHead(nn.Module):
     def fuse(self, feats: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """[.., H] features f_t (or [.., (taps + 1) H] with the tapped layers) and [..] tokens x_{t+1} -> the
         layer's input [.., H]."""
-        if feats.shape[-1] != self.config.hidden_size:   # the target's context features, with tapped layers
-            feats = self.final_features(feats) if self.fc_taps is None else self.fc_taps(feats)
+        hidden = self.config.hidden_size
+        if feats.shape[-1] != hidden:   # the target's context features, with tapped layers before f_t
+            final = self.final_features(feats)
+            feats = final if self.fc_taps is None else final + self.fc_taps(feats[..., :-hidden])
         embed = F.embedding(next_ids, self._shared[0].embed_tokens.weight.detach())
         return self.fc(torch.cat([embed.to(feats.dtype), feats], dim=-1))
 
