@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-from rasd.decoding.eagle import EagleHead, load_head, save_head
+from rasd.decoding.eagle import load_head, save_head
 from rasd.decoding.model_loading import load_model
 from rasd.train.common import _prompt_of, generation_cache, prompt_windows
 from rasd.train.eagle import (
     _rows,
+    _start_head,
     conversation_ids,
     depth_agreement,
     draft_vocabulary,
@@ -85,7 +86,7 @@ def main() -> None:
               "torch_threads": torch.get_num_threads(), "arms": {}}
     for name, (arm_taps, width) in arms.items():
         torch.manual_seed(args.seed)
-        head = start_arm(target.model, vocab, arm_taps, args.init)
+        head = _start_head(target.model, vocab, args.init, arm_taps)   # a fused arm starts as `init` exactly
         before = depth_agreement(head.eval(), seqs, feats[..., -width:], valid, windows.shape[1])
         t1 = time.perf_counter()
         final = train_head(head, data["tokens"], [f[:, -width:] for f in data["feats"]], args.steps, lr=args.lr,
@@ -107,17 +108,6 @@ def own_answers(chunks: int) -> list[list[int]]:
     if len(files) < chunks:
         raise SystemExit(f"--selfgen {chunks}: only {len(files)} cached chunks under {generation_cache('default')}")
     return [list(t) for f in files[:chunks] for t in torch.load(f)["tokens"]]
-
-
-def start_arm(target: torch.nn.Module, vocab: torch.Tensor | None, taps: tuple[int, ...],
-              init: Path | None) -> EagleHead:
-    """A new head over `vocab`, or `init`'s weights (taps weighing zero: it starts as `init` exactly)."""
-    head = EagleHead(target, vocab, taps=taps)
-    if init is not None:
-        trained = load_head(target, init).float().state_dict()
-        missing, unexpected = head.load_state_dict(trained, strict=False)
-        assert not unexpected and all(k.startswith("fc_taps") for k in missing), (missing, unexpected)
-    return head.float().train()
 
 
 if __name__ == "__main__":

@@ -233,14 +233,18 @@ def check_head(path: Path, target: nn.Module) -> None:
     diff = HeadConfig(**meta["config"]).mismatch(HeadConfig.of(target))
     if diff is not None:
         raise ValueError(f"{path} was trained for another model ({diff}); train one with `rasd train eagle`")
-    layers = len(target.get_decoder().layers)
-    if any(not 0 <= int(i) < layers for i in head_taps(path)):
-        raise ValueError(f"{path} reads target layers {head_taps(path)}; this model has layers 0..{layers - 1}")
+    layers, taps = len(target.get_decoder().layers), _taps_of(meta)
+    if any(not 0 <= i < layers for i in taps):
+        raise ValueError(f"{path} reads target layers {taps}; this model has layers 0..{layers - 1}")
 
 
 def head_taps(path: Path | str) -> tuple[int, ...]:
     """The target layers a head file reads beside the final features (EAGLE-3); () for a plain head."""
-    return tuple(int(i) for i in read_meta(Path(path)).get("taps", ()))
+    return _taps_of(read_meta(Path(path)))
+
+
+def _taps_of(meta: dict[str, Any]) -> tuple[int, ...]:
+    return tuple(int(i) for i in meta.get("taps", ()))
 
 
 def load_head(target: nn.Module, path: Path | str | None = None, model_name: str = "default") -> EagleHead:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rasd.decoding.eagle import EagleHead
+from rasd.decoding.eagle import EagleHead, head_path, head_taps
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.eagle import EagleProposer
 from rasd.decoding.sampling import GREEDY, SamplingParams
@@ -106,8 +106,6 @@ def spec_taps(spec: Any) -> tuple[int, ...]:
     """The target layers an EAGLE head spec reads beside the final features (its clients send them too)."""
     if isinstance(spec, EagleHead):
         return spec.taps
-    from rasd.decoding.eagle import head_path, head_taps
-
     return head_taps(head_path(eagle_target(spec) or "default"))
 
 
@@ -116,8 +114,6 @@ def check_spec(spec: str) -> None:
     (workers could only fail to load them, one restart after another)."""
     head_target = eagle_target(spec)
     if head_target is not None:
-        from rasd.decoding.eagle import head_path
-
         if not head_path(head_target).exists():
             raise ValueError(f"draft workers for {spec!r} need an EAGLE head ({head_path(head_target)} is missing): "
                              f"run `rasd train eagle --model {head_target} --data builtin`")
