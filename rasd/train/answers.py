@@ -58,6 +58,29 @@ def answers_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_tok
     return torch.cat(out, dim=1), torch.cat(feats, dim=1)
 
 
+@torch.inference_mode()
+def teacher_features(model: torch.nn.Module, sequences: list[list[int]], taps: tuple[int, ...] = (),
+                     batch: int = 32) -> list[torch.Tensor]:
+    """Each sequence's features [n_i, (len(taps) + 1) H] (fp16), as `answers_with_features` records them while
+    writing it, from one causal forward per `batch` rows (right-padded: a row's padding comes after every
+    position it keeps, so it changes none of them).
+
+    Why: a fused head trained on answers already cached without taps gets its layers from this one pass over
+    the text (≈ a third of what writing the answers again costs), not from a second generation."""
+    inner = model.get_decoder()
+    device = next(model.parameters()).device
+    out: list[torch.Tensor] = []
+    for s in range(0, len(sequences), batch):
+        part = sequences[s: s + batch]
+        width = max(len(q) for q in part)
+        ids = torch.tensor([q + [0] * (width - len(q)) for q in part], device=device)    # [B, L]
+        caches = [GrowableLayer() for _ in inner.layers]
+        hidden, tapped = _forward(inner, caches, ids, torch.arange(width, device=device)[None], taps)
+        feats = torch.cat([*tapped, inner.norm(hidden)], dim=-1).to(torch.float16).cpu()   # [B, L, (taps + 1) H]
+        out += [feats[i, : len(q)].clone() for i, q in enumerate(part)]
+    return out
+
+
 def _forward(inner: Any, caches: list[GrowableLayer], ids: torch.Tensor, positions: torch.Tensor,
              taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Hidden states [K, T, H] after the last layer, and the tapped layers' features [K, T, H] in `taps` order;

@@ -76,8 +76,8 @@ def user_turns(row: dict, turns: tuple[int, ...] = (1,)) -> list[str]:
 
 def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path | None, window: int = 32,
                      batch: int = 128, turns: tuple[int, ...] = (1,), gen_dtype: str = "float32",
-                     temperature: float = 0.0, seed: int = 0, samples: int = 1, taps: tuple[int, ...] = ()
-                     ) -> dict[str, Any]:
+                     temperature: float = 0.0, seed: int = 0, samples: int = 1, taps: tuple[int, ...] = (),
+                     limit: int | None = None) -> dict[str, Any]:
     """The target's answers (greedy, or sampled at `temperature`) to each conversation's user turns `turns`
     (default the first), with their features (EAGLE-3's data).
 
@@ -90,13 +90,15 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     several times faster on AMX CPUs and GPUs; its text is its own, not the fp32 target's greedy text).
     `temperature` > 0: sampled answers (seeded per chunk), more distinct text from the same prompts; `samples`
     of them per prompt, each draw with its own seeds (draw 0 keeps the seeds a single draw always had, so its
-    cached chunks are reused). `taps`: the features carry those layers too (a fused head's; cached apart).
+    cached chunks are reused). `taps`: the features carry those layers too (a fused head's; cached apart; a
+    chunk cached without them gets them from one teacher forward of its text). `limit`: only the first this many
+    prompts (in turn order), so a run can stop at the chunks a budget allows and a longer one extends it.
     Returns what `extract_features` does: {"tokens": [list], "feats": [fp16 [n_i, H]], "counts": [vocab]}.
     """
     from rasd.train.common import prompt_windows
 
     prompts = [p for k in turns for r in rows for p in user_turns(r, (k,))]
-    windows = prompt_windows(target.tokenizer, prompts, window)
+    windows = prompt_windows(target.tokenizer, prompts, window)[:limit]
     eos = sorted(set(target.eos_token_ids or ()))
     vocab = target.model.get_output_embeddings().weight.shape[0]
     out: dict[str, Any] = {"tokens": [], "feats": [], "counts": torch.zeros(vocab, dtype=torch.long)}
@@ -139,18 +141,31 @@ def _answers_chunk(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: in
     key, dtype = generation_key(model, windows, gen_tokens, eos), next(model.parameters()).dtype
     if temperature > 0 or dtype != torch.float32:   # greedy fp32 keeps the key earlier caches were written under
         key += "-" + hashlib.sha256(f"{dtype} {temperature} {seed}".encode()).hexdigest()[:8]
-    if taps:
-        key += "-taps" + "-".join(str(i) for i in taps)
-    file = cache / f"{key}-features.pt" if cache is not None else None
+    tapped = "-taps" + "-".join(str(i) for i in taps) if taps else ""
+    file = cache / f"{key}{tapped}-features.pt" if cache is not None else None
     data = _read_shard(file, len(windows))
     if data is not None:
         return data
-    data = _generate_with_features(model, windows, gen_tokens, eos, temperature, seed, taps)
+    plain = _read_shard(cache / f"{key}-features.pt", len(windows)) if taps and cache is not None else None
+    data = (_with_taps(model, plain, taps) if plain is not None
+            else _generate_with_features(model, windows, gen_tokens, eos, temperature, seed, taps))
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(data, file.with_name(file.name + ".tmp"))
         file.with_name(file.name + ".tmp").replace(file)
     return data
+
+
+def _with_taps(model: torch.nn.Module, plain: dict[str, Any], taps: tuple[int, ...]) -> dict[str, Any]:
+    """A chunk of answers cached without taps, its features taken again with them by one teacher forward of the
+    same copy of the target: the same text, so a fused head reuses a plain draw instead of writing it anew."""
+    from rasd.decoding import fast_forward
+    from rasd.train import answers
+
+    if not fast_forward.supports(model):
+        raise ValueError(f"tapped layers need a Llama-style model; {type(model).__name__} is not one")
+    feats = answers.teacher_features(model, plain["tokens"], taps)
+    return {"tokens": plain["tokens"], "feats": feats, "counts": plain["counts"]}
 
 
 @torch.no_grad()
@@ -555,6 +570,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--samples", type=int, default=1,
                    help="with --regenerate and --temperature: answers drawn per prompt (each with its own seed): "
                         "more training text from the same conversations")
+    p.add_argument("--max-answers", type=int, default=None,
+                   help="with --regenerate: answer only the first N prompts of --turns (per draw); a multiple of "
+                        "--gen-batch keeps the cached chunks a longer run reuses")
     p.add_argument("--ttt", action="store_true",
                    help="EAGLE-3's training-time test: also train depth 2 on the head's own predicted features")
     p.add_argument("--init", type=Path, default=None,
@@ -607,7 +625,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         _turns(getattr(args, "turns", "1"))   # a bad --turns is refused before the data and the model are read
         _taps(getattr(args, "taps", ""))
-        check_numbers(args, positive=("seqs", "seq_len", "steps", "epochs", "batch", "lr", "eval_seqs", "gen_batch"),
+        check_numbers(args, positive=("seqs", "seq_len", "steps", "epochs", "batch", "lr", "eval_seqs", "gen_batch",
+                                        "max_answers"),
                       non_negative=("noise", "cls_weight", "draft_vocab", "regenerate"))
         if not 0.0 <= getattr(args, "temperature", 0.0) <= 10.0:
             raise ValueError(f"--temperature {args.temperature}: give a value from 0 (greedy) to 10")
@@ -648,7 +667,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
                                 gen_dtype=getattr(args, "gen_dtype", "float32"),
                                 temperature=getattr(args, "temperature", 0.0), seed=args.seed,
                                 batch=getattr(args, "gen_batch", 128), samples=getattr(args, "samples", 1),
-                                taps=taps)
+                                taps=taps, limit=getattr(args, "max_answers", None))
     else:
         seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
         data = extract_features(target.model, seqs, folder, taps=taps) if seqs else {"tokens": []}
@@ -684,6 +703,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
               "gen_dtype": getattr(args, "gen_dtype", "float32") if regen else None,
               "temperature": getattr(args, "temperature", 0.0) if regen else None,
               "samples": getattr(args, "samples", 1) if regen else None,
+              "max_answers": getattr(args, "max_answers", None) if regen else None,
               "init": str(args.init) if args.init else None, "taps": list(taps),
               "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
               "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -94,6 +95,48 @@ def test_a_bf16_copy_writes_its_own_answers_apart_from_the_fp32_cache(tmp_path: 
     assert _answers_chunk(target, windows, 6, [], tmp_path)["tokens"] == greedy["tokens"], "read back"
 
 
+def test_a_plain_cached_chunk_gets_its_taps_from_one_teacher_forward(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--taps` over answers cached without them: the same text, the tapped layers taken by one forward of it
+    (what writing it with taps records), cached apart; nothing is generated again."""
+    import rasd.train.eagle as eagle
+
+    target = tiny_llama(3)
+    windows = _windows(5)
+    plain = _answers_chunk(target, windows, 7, [], tmp_path, temperature=0.9, seed=4)
+    written = _generate_with_features(target, windows, 7, [], 0.9, 4, taps=(0, 1))
+
+    def no_generation(*_a: object, **_k: object) -> None:
+        raise AssertionError("a cached chunk was generated again")
+
+    monkeypatch.setattr(eagle, "_generate_with_features", no_generation)
+    tapped = _answers_chunk(target, windows, 7, [], tmp_path, temperature=0.9, seed=4, taps=(0, 1))
+    assert tapped["tokens"] == plain["tokens"] == written["tokens"]
+    assert torch.equal(tapped["counts"], plain["counts"])
+    for got, want in zip(tapped["feats"], written["feats"], strict=True):
+        assert got.shape == want.shape == (len(want), 3 * 64)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-3, rtol=3e-3)
+    assert len(list(tmp_path.glob("*-taps0-1-features.pt"))) == 1, "cached apart from the plain chunk"
+
+
+def test_max_answers_answers_only_the_first_prompts(tmp_path: Path) -> None:
+    """`--max-answers N`: the first N prompts' answers, the chunks a longer run reads back."""
+    from transformers import AutoTokenizer
+
+    from rasd.train.eagle import regenerated_data
+    from tests.helpers import make_tiny_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path / "tok"))
+    target = SimpleNamespace(model=tiny_llama(3, vocab=len(tokenizer)), tokenizer=tokenizer, eos_token_ids=[])
+    rows = [{"conversations": [{"from": "human", "value": f"tell me about glaciers and bridges, part {i} " * 3}]}
+            for i in range(6)]
+    some = regenerated_data(target, rows, 4, tmp_path / "c", window=8, batch=2, limit=4)
+    every = regenerated_data(target, rows, 4, tmp_path / "c", window=8, batch=2)
+    assert len(some["tokens"]) == 4 and len(every["tokens"]) == 6
+    assert every["tokens"][:4] == some["tokens"]
+    assert len(list((tmp_path / "c").glob("*-features.pt"))) == 3, "the first two chunks were read back"
+
+
 @pytest.mark.parametrize("flags", [["--temperature", "-1"], ["--gen-batch", "0"], ["--samples", "2"],
                                    ["--samples", "0", "--temperature", "0.5"]])
 def test_bad_generation_options_are_refused_in_one_line(tmp_path: Path, flags: list[str],
@@ -120,7 +163,6 @@ def test_the_two_level_draw_is_exact_across_blocks() -> None:
 def test_several_sampled_answers_per_prompt_are_distinct_draws_and_reuse_the_first(tmp_path: Path) -> None:
     """`--samples 2`: every prompt answered twice with other seeds; draw 0 is the single draw's text, read from its
     cache; more than one greedy answer per prompt is refused (it would be the same text)."""
-    from types import SimpleNamespace
 
     from transformers import AutoTokenizer
 
