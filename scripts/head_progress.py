@@ -112,9 +112,17 @@ def main() -> None:
           f"({need / fitted[-1]['trained']:.1f}x v{fitted[-1]['version']}'s)")
     plot(rows, (slope, icpt), fitted, args.png)
     for prev, row in zip(fitted, fitted[1:], strict=False):
-        print(f"v{prev['version']} -> v{row['version']}: text {row['train_tokens'] - prev['train_tokens']:+,} tokens, "
-              f"{row['steps']} steps, depth-1 top-1 {row['agreement']['top1'][0] - prev['agreement']['top1'][0]:+.3f}")
+        print(f"v{prev['version']} -> v{row['version']}: {text_added(prev, row)}, {row['steps']} steps"
+              f"{', layers ' + ','.join(map(str, row['taps'])) + ' fused' if row.get('taps') else ''}, "
+              f"depth-1 top-1 {row['agreement']['top1'][0] - prev['agreement']['top1'][0]:+.3f}")
     print(f"wrote {args.png}")
+
+
+def text_added(prev: dict, row: dict) -> str:
+    """A version on the same draws plus more (same --seed) grew the text; one on another seed read a new draw."""
+    if row.get("seed") != prev.get("seed"):
+        return f"a new draw of {row['train_tokens']:,} tokens (seed {row.get('seed')})"
+    return f"text {row['train_tokens'] - prev['train_tokens']:+,} tokens"
 
 
 if __name__ == "__main__":
