@@ -138,7 +138,8 @@ def test_max_answers_answers_only_the_first_prompts(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flags", [["--temperature", "-1"], ["--gen-batch", "0"], ["--samples", "2"],
-                                   ["--samples", "0", "--temperature", "0.5"]])
+                                   ["--samples", "0", "--temperature", "0.5"],
+                                   ["--max-answers", "0"]])
 def test_bad_generation_options_are_refused_in_one_line(tmp_path: Path, flags: list[str],
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "eagle", "--data", str(tmp_path / "none.jsonl"), "--regenerate", "8", *flags]) != 0
