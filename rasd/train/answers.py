@@ -47,7 +47,7 @@ def answers_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_tok
     for step in range(gen_tokens):
         hidden, tapped = _forward(inner, caches, ids, positions, taps)
         normed = inner.norm(hidden)                                              # [K, T, H]
-        feats.append(torch.cat([*tapped, normed], dim=-1).to(torch.float16).cpu())   # [K, T, (taps + 1) H]
+        feats.append(_stacked(tapped, normed))                                   # [K, T, (taps + 1) H]
         logits = head(normed[:, -1]).float()                                     # [K, V]
         ids = _next(logits, temperature, generator)[:, None]                     # [K, 1]
         out.append(ids.cpu())
@@ -76,9 +76,15 @@ def teacher_features(model: torch.nn.Module, sequences: list[list[int]], taps: t
         ids = torch.tensor([q + [0] * (width - len(q)) for q in part], device=device)    # [B, L]
         caches = [GrowableLayer() for _ in inner.layers]
         hidden, tapped = _forward(inner, caches, ids, torch.arange(width, device=device)[None], taps)
-        feats = torch.cat([*tapped, inner.norm(hidden)], dim=-1).to(torch.float16).cpu()   # [B, L, (taps + 1) H]
+        feats = _stacked(tapped, inner.norm(hidden))                             # [B, L, (taps + 1) H]
         out += [feats[i, : len(q)].clone() for i, q in enumerate(part)]
     return out
+
+
+def _stacked(tapped: list[torch.Tensor], normed: torch.Tensor) -> torch.Tensor:
+    """The features a head is trained on, fp16 on the CPU: the tapped layers in order, then the final-norm output
+    (the layout `features.FinalNormTap.stacked` hands a head in decoding)."""
+    return torch.cat([*tapped, normed], dim=-1).to(torch.float16).cpu()
 
 
 def _forward(inner: Any, caches: list[GrowableLayer], ids: torch.Tensor, positions: torch.Tensor,

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from rasd.decoding import fast_forward
 from rasd.decoding.eagle import EagleHead, save_head
 from rasd.decoding.features import FinalNormTap, final_norm
 from rasd.train.common import check_numbers, greedy_continuations, model_fingerprint, write_json
@@ -146,7 +147,8 @@ def _answers_chunk(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: in
     data = _read_shard(file, len(windows))
     if data is not None:
         return data
-    plain = _read_shard(cache / f"{key}-features.pt", len(windows)) if taps and cache is not None else None
+    reusable = taps and cache is not None and fast_forward.supports(model)   # else generation says why not
+    plain = _read_shard(cache / f"{key}-features.pt", len(windows)) if reusable else None
     data = (_with_taps(model, plain, taps) if plain is not None
             else _generate_with_features(model, windows, gen_tokens, eos, temperature, seed, taps))
     if file is not None:
@@ -159,11 +161,8 @@ def _answers_chunk(model: torch.nn.Module, windows: torch.Tensor, gen_tokens: in
 def _with_taps(model: torch.nn.Module, plain: dict[str, Any], taps: tuple[int, ...]) -> dict[str, Any]:
     """A chunk of answers cached without taps, its features taken again with them by one teacher forward of the
     same copy of the target: the same text, so a fused head reuses a plain draw instead of writing it anew."""
-    from rasd.decoding import fast_forward
     from rasd.train import answers
 
-    if not fast_forward.supports(model):
-        raise ValueError(f"tapped layers need a Llama-style model; {type(model).__name__} is not one")
     feats = answers.teacher_features(model, plain["tokens"], taps)
     return {"tokens": plain["tokens"], "feats": feats, "counts": plain["counts"]}
 
@@ -178,7 +177,6 @@ def _generate_with_features(model: torch.nn.Module, windows: torch.Tensor, gen_t
     The prefill gives the prompt's P features, each step one more: P + G' - 1 in all (the last token is
     never forwarded, so an answer without EOS loses its last token). Greedy-token counts: the next token of
     every answer position, the LM head's argmax over the prompt's features."""
-    from rasd.decoding import fast_forward
     from rasd.train import answers
 
     device = next(model.parameters()).device
