@@ -94,22 +94,6 @@ def test_observe_recycles_every_verified_node_accepted_or_not() -> None:
         assert m.tokens[tok].tolist() == logits[node].topk(4).indices.tolist()
 
 
-@pytest.mark.parametrize("recycle_when", ["fallback", "always"])
-def test_rasd_recycles_the_accepted_path_only_where_recycled_trees_are_a_fallback(recycle_when: str) -> None:
-    """As a fallback the matrix learns the root and the accepted nodes (the top-k over the vocabulary at every
-    node costs a CPU step ≈ 1.2 ms); where recycled trees join every step, every verified node."""
-    m = RecyclingMatrix(TINY_VOCAB, k=4)
-    proposer = make_proposer("rasd", recycling=m, recycle_when=recycle_when)
-    tree = DraftTree.chain(5, [7, 9], "x")
-    tree.add(0, 11, "x")                                      # nodes: 5 (root), 7, 9, 11
-    logits = torch.randn(len(tree), TINY_VOCAB)
-    proposer.observe([1, 5], tree, Verdict(accepted=[1], bonus=3), logits)
-    learned = [node for node, tok in enumerate(tree.tokens) if m.known(tok)]
-    assert learned == ([0, 1] if recycle_when == "fallback" else [0, 1, 2, 3])
-    for node in learned:
-        assert m.tokens[tree.tokens[node]].tolist() == logits[node].topk(4).indices.tolist()
-
-
 def test_template_is_best_first_connected_and_prefix_stable() -> None:
     shape = template(20, k=8)
     assert len(shape) == 20

@@ -271,23 +271,14 @@ class RasdProposer:
         """
         if self.recycling is None:
             return False
-        if not (drafted or any(t.num_draft_tokens for t in trees)):
-            return True
-        return self._recycles_every_step(context)
-
-    def _recycles_every_step(self, context: list[int]) -> bool:
-        """Whether recycled trees join the other sources' ("always", or "auto" on a flat cost curve)."""
-        if self.recycle_when == "always":
+        if self.recycle_when == "always" or not (drafted or any(t.num_draft_tokens for t in trees)):
             return True
         return self.recycle_when == "auto" and self.flat_curve is not None and self.flat_curve(len(context))
 
     def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
-        """Recycle the target's top-k (at every node where recycled trees may be proposed at every step, else along
-        the accepted path: `_recycle`); retrieval and draft catch up lazily in `propose`."""
-        if self.recycling is not None and self._recycles_every_step(context):
+        """Recycle the target's top-k at every node; retrieval and draft catch up lazily in `propose`."""
+        if self.recycling is not None:
             self.recycling.observe(context, tree, verdict, logits)
-        elif self.recycling is not None:
-            self.recycling.observe_path(tree, verdict, logits)
         if self.short_copies is not None:
             self._score_rival(tree, verdict)
 

@@ -191,15 +191,6 @@ class RecyclingProposer:
         """Recycle the target's top-k at every verified node, accepted or not."""
         self.matrix.update(tree.tokens, logits)
 
-    def observe_path(self, tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
-        """Recycle the target's top-k at the root and the accepted nodes only (logits [T, vocab]).
-
-        Why: a source that proposes only where no other has a guess (`rasd` on a CPU) reads few rows, while the
-        top-k over the whole vocabulary at every verified node cost ≈ 1.2 ms a step there (docs/lab-notes/eagle.md).
-        """
-        path = [0, *verdict.accepted]
-        self.matrix.update([tree.tokens[i] for i in path], logits[torch.tensor(path, device=logits.device)])
-
     def root_probs(self, context: list[int]) -> torch.Tensor | None:
         """The recycled next-token distribution at the root: a probability source for RASD pruning."""
         return self.matrix.root_probs(context[-1])
