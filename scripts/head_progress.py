@@ -24,7 +24,8 @@ BAR = 0.60
 
 
 def load_reports(folder: Path) -> list[dict]:
-    """Every `eagle_head_vN_report_*.json` in `folder`, by version."""
+    """Every `eagle_head_vN_report_*.json` in `folder`, by version: the shipped heads and any candidate a shipped
+    head continues (v14, not shipped itself, is v15's parent), so that the cumulative training is the lineage's."""
     rows = []
     for path in folder.glob("eagle_head_v*_report_*.json"):
         version = int(re.search(r"_v(\d+)_", path.name).group(1))
