@@ -1,4 +1,4 @@
-"""Held-out agreement of every shipped EAGLE head against its training, as a table and a PNG.
+"""Held-out agreement of every shipped EAGLE head and its parents against their training: a table and a PNG.
 
 Why: the issue's bar is 0.60 top-1 at depth 1; where a head falls short, what limits it should be read off
 the measurements of every version, not guessed. Each head continues the one before, so its training is
