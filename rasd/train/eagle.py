@@ -403,16 +403,25 @@ def depth_agreement(head: EagleHead, sequences: torch.Tensor, feats: torch.Tenso
 
 def _depth_hits(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, prompt_len: int,
                 depths: int) -> tuple[list[int], list[int], list[int]]:
+    hit1, hit4, ok = position_hits(head, seq, feats, valid, prompt_len, depths)
+    return ([int(h.sum()) for h in hit1], [int(h.sum()) for h in hit4], [int(o.sum()) for o in ok])
+
+
+def position_hits(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, prompt_len: int,
+                  depths: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per depth, whether the head's top-1 / top-4 holds the target's token at every held-out position, and
+    which positions count: three [D, K, R] bool tensors. Kept per position so that two heads can be compared
+    on the same positions (a paired difference is far tighter than two agreements' own noise)."""
     k, t = seq.shape
     roots = torch.arange(max(1, prompt_len - 1), t - depths, device=seq.device)              # [R]
-    h1, h4, n = [], [], []
+    hit1, hit4, ok = [], [], []
     for d, top4 in enumerate(chain_top_tokens(head, seq, feats, roots, depths, top=4)):
         want = seq[:, roots + d + 1]                                                           # [K, R]
-        ok = valid[:, roots + d + 1] & (roots + d + 1 >= prompt_len)[None]
-        h1.append(int(((top4[..., 0] == want) & ok).sum()))
-        h4.append(int(((top4 == want[..., None]).any(-1) & ok).sum()))
-        n.append(int(ok.sum()))
-    return h1, h4, n
+        counts = valid[:, roots + d + 1] & (roots + d + 1 >= prompt_len)[None]
+        hit1.append((top4[..., 0] == want) & counts)
+        hit4.append((top4 == want[..., None]).any(-1) & counts)
+        ok.append(counts)
+    return torch.stack(hit1), torch.stack(hit4), torch.stack(ok)
 
 
 @torch.no_grad()
