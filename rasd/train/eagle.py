@@ -584,6 +584,10 @@ def add_parser(sub: Any) -> None:
                    help="EAGLE-3's training-time test: also train depth 2 on the head's own predicted features")
     p.add_argument("--init", type=Path, default=None,
                    help="continue training this head (its weights and draft vocabulary) instead of a new one")
+    p.add_argument("--average-init", type=float, default=None, metavar="W",
+                   help="with --init: save W x the trained weights + (1 - W) x the --init head's (weight averaging, "
+                        "as model soups / WiSE-FT: a continued head averaged with its parent held out better than "
+                        "either, docs/lab-notes/eagle.md)")
     p.add_argument("--taps", default="",
                    help="EAGLE-3's fused features: target layers (0-based, comma separated, e.g. 2,15) read beside "
                         "the final features; with --init of a plain head, they start at zero weight")
@@ -638,6 +642,7 @@ def run(args: argparse.Namespace) -> int:
         if not 0.0 <= getattr(args, "temperature", 0.0) <= 10.0:
             raise ValueError(f"--temperature {args.temperature}: give a value from 0 (greedy) to 10")
         _check_samples(getattr(args, "samples", 1), getattr(args, "temperature", 0.0))
+        _check_average(getattr(args, "average_init", None), args.init)
         rows = _rows(args.data)
         if len(rows) < 2:
             raise ValueError(f"{args.data}: need at least 2 conversations (one is held out)")
@@ -689,6 +694,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     eval_seqs, eval_feats, eval_valid = held_out_set(target.model, windows, 48, eos, selfgen, taps=taps)
     head = _start_head(target.model, vocab, args.init, taps)
     before = depth_agreement(head.eval(), eval_seqs, eval_feats, eval_valid, windows.shape[1])
+    parent = {k: v.detach().clone() for k, v in head.state_dict().items()}
     tokens = sum(len(s) for s in seqs)
     steps = args.steps if args.steps is not None else max(1, math.ceil(args.epochs * len(seqs) / args.batch))
     t1 = time.perf_counter()
@@ -700,6 +706,11 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     final = train_head(head, data["tokens"], data["feats"], steps, args.batch, args.lr, args.noise,
                        args.cls_weight, order_seed, checkpoint=checkpoint, ttt=args.ttt)
     train_s = time.perf_counter() - t1
+    weight = getattr(args, "average_init", None)
+    trained = None
+    if weight is not None:
+        trained = depth_agreement(head, eval_seqs, eval_feats, eval_valid, windows.shape[1])
+        average_weights(head, parent, weight)
     after = depth_agreement(head, eval_seqs, eval_feats, eval_valid, windows.shape[1])
     used = head.vocab   # with --init, the initial head's vocabulary, not the one this data's counts would pick
     covered = float(torch.isin(eval_seqs[:, windows.shape[1]:], used).float().mean()) if used is not None else 1.0
@@ -713,10 +724,29 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
               "max_answers": getattr(args, "max_answers", None) if regen else None,
               "init": str(args.init) if args.init else None, "taps": list(taps),
               "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
+              "average_init": weight, "agreement_trained": trained,
               "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,
               "final_train": final, "features_s": round(features_s, 1), "train_s": round(train_s, 1),
               "seed": args.seed, "order_seed": order_seed, "torch_threads": torch.get_num_threads()}
     return report, head
+
+
+def average_weights(head: EagleHead, parent: dict[str, torch.Tensor], weight: float) -> None:
+    """In place: the head's weights become `weight` x its own + (1 - weight) x `parent`'s (same keys)."""
+    with torch.no_grad():
+        for key, value in head.state_dict().items():
+            if value.is_floating_point():
+                value.copy_(weight * value + (1.0 - weight) * parent[key].to(value.dtype))
+
+
+def _check_average(weight: float | None, init: Path | None) -> None:
+    """`--average-init` needs a parent (`--init`) and a weight in (0, 1]."""
+    if weight is None:
+        return
+    if init is None:
+        raise ValueError("--average-init averages the trained head with its parent: give --init PARENT too")
+    if not 0.0 < weight <= 1.0:
+        raise ValueError(f"--average-init {weight}: give the trained head's weight, above 0 and at most 1")
 
 
 def _order_seed(args: argparse.Namespace) -> int:
