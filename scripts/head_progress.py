@@ -55,6 +55,16 @@ def self_generated(row: dict) -> bool:
     return row.get("regenerate") is not None and len(row.get("turns") or []) >= 4
 
 
+def averaged(row: dict) -> str:
+    """`--average-init W`: the head is W x the trained weights + (1 - W) x its parent's; say so, with what the
+    trained head alone reached."""
+    weight = row.get("average_init")
+    if weight is None:
+        return ""
+    alone = (row.get("agreement_trained") or {}).get("top1", [float("nan")])[0]
+    return f", averaged with its parent at {weight:g} (trained alone {alone:.3f})"
+
+
 def table(rows: list[dict]) -> str:
     """Markdown: version, tokens, steps, top-1 at depths 1-4."""
     lines = ["| head | text set, tokens | steps | trained, cumulative | top-1, depths 1-4 | top-4 depth 1 |",
@@ -114,7 +124,8 @@ def main() -> None:
     plot(rows, (slope, icpt), fitted, args.png)
     for prev, row in zip(fitted, fitted[1:], strict=False):
         print(f"v{prev['version']} -> v{row['version']}: {text_added(prev, row)}, {row['steps']} steps"
-              f"{', layers ' + ','.join(map(str, row['taps'])) + ' fused' if row.get('taps') else ''}, "
+              f"{', layers ' + ','.join(map(str, row['taps'])) + ' fused' if row.get('taps') else ''}"
+              f"{averaged(row)}, "
               f"depth-1 top-1 {row['agreement']['top1'][0] - prev['agreement']['top1'][0]:+.3f}")
     print(f"wrote {args.png}")
 

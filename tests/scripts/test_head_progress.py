@@ -38,3 +38,10 @@ def test_shipped_reports_plot(tmp_path: Path) -> None:
     png = tmp_path / "progress.png"
     script.plot(rows, script.fit_log2(fitted), fitted, png)
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_averaged_head_says_so_with_what_training_alone_reached() -> None:
+    script = load_script("head_progress")
+    assert script.averaged({"steps": 10}) == ""
+    row = {"average_init": 0.5, "agreement_trained": {"top1": [0.5978, 0.56, 0.52, 0.51]}}
+    assert script.averaged(row) == ", averaged with its parent at 0.5 (trained alone 0.598)"
