@@ -27,7 +27,7 @@ import torch
 
 from rasd.decoding.eagle import load_head, save_head
 from rasd.decoding.model_loading import load_model
-from rasd.train.common import _prompt_of, generation_cache, prompt_windows
+from rasd.train.common import generation_cache
 from rasd.train.eagle import (
     _rows,
     _start_head,
@@ -36,6 +36,8 @@ from rasd.train.eagle import (
     draft_vocabulary,
     extract_features,
     held_out_set,
+    held_out_split,
+    held_out_windows,
     train_head,
 )
 
@@ -63,8 +65,8 @@ def main() -> None:
 
     target = load_model("default", dtype="float32")
     rows = _rows("builtin")
-    n_eval = min(args.eval_seqs, max(1, len(rows) // 10))
-    train_rows, eval_rows = rows[: len(rows) - n_eval][: args.seqs], rows[len(rows) - n_eval:]
+    rest, eval_rows = held_out_split(rows, args.eval_seqs)
+    train_rows = rest[: args.seqs]
     t0 = time.perf_counter()
     texts = (own_answers(args.selfgen) if args.selfgen
              else conversation_ids(target.tokenizer, train_rows, args.seq_len))
@@ -73,7 +75,7 @@ def main() -> None:
     eos = set(target.eos_token_ids or ())
     vocab = (load_head(target.model, args.init).vocab if args.init
              else draft_vocabulary(data["counts"], args.draft_vocab, eos))
-    windows = prompt_windows(target.tokenizer, [p for p in (_prompt_of(r) for r in eval_rows) if p], 32)
+    windows = held_out_windows(target.tokenizer, eval_rows)
     seqs, feats, valid = held_out_set(target.model, windows, 48, eos, generation_cache("default"), taps=taps)
     hidden = target.model.config.hidden_size
     arms = {"final": ((), hidden), "fused": (taps, feats.shape[-1])}

@@ -334,7 +334,7 @@ def _second_pass_mask(n1: int, n2: int, device: torch.device | str = "cpu") -> t
     """Additive [1, 1, n2, n1 + n2]: pass-2 query j sees pass-1 keys 0..j (true context) and only itself.
 
     That is what a depth-2 tree node sees when decoding: the committed context up to its root, then its own
-    path (`_depth_hits` builds the same mask)."""
+    path (`_batch_hits` builds the same mask)."""
     j = torch.arange(n2, device=device)[:, None]
     visible = torch.cat([torch.arange(n1, device=device)[None] <= j, torch.eye(n2, dtype=torch.bool, device=device)],
                         dim=1)
@@ -390,28 +390,27 @@ def depth_agreement(head: EagleHead, sequences: torch.Tensor, feats: torch.Tenso
     cache holds the true context (f_{t-1}, x_t) for t <= r, a chain node reads its parent's predicted feature
     and attends to the context up to its root and to its own chain, never to another root's.
     """
-    hits1, hits4, total = [0] * depths, [0] * depths, [0] * depths
-    device = _device_of(head)
-    for s in range(0, len(sequences), batch):
-        h1, h4, n = _depth_hits(head, sequences[s: s + batch].to(device), feats[s: s + batch].to(device).float(),
-                                valid[s: s + batch].to(device), prompt_len, depths)
-        for d in range(depths):
-            hits1[d], hits4[d], total[d] = hits1[d] + h1[d], hits4[d] + h4[d], total[d] + n[d]
-    return {"top1": [round(h / max(n, 1), 4) for h, n in zip(hits1, total, strict=True)],
-            "top4": [round(h / max(n, 1), 4) for h, n in zip(hits4, total, strict=True)], "positions": total}
+    hit1, hit4, ok = position_hits(head, sequences, feats, valid, prompt_len, depths, batch)
+    total = [int(o.sum()) for o in ok]
+    return {"top1": [round(int(h.sum()) / max(n, 1), 4) for h, n in zip(hit1, total, strict=True)],
+            "top4": [round(int(h.sum()) / max(n, 1), 4) for h, n in zip(hit4, total, strict=True)], "positions": total}
 
 
-def _depth_hits(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, prompt_len: int,
-                depths: int) -> tuple[list[int], list[int], list[int]]:
-    hit1, hit4, ok = position_hits(head, seq, feats, valid, prompt_len, depths)
-    return ([int(h.sum()) for h in hit1], [int(h.sum()) for h in hit4], [int(o.sum()) for o in ok])
-
-
-def position_hits(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, prompt_len: int,
-                  depths: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def position_hits(head: EagleHead, sequences: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor,
+                  prompt_len: int, depths: int = DEPTHS, batch: int = 16
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per depth, whether the head's top-1 / top-4 holds the target's token at every held-out position, and
-    which positions count: three [D, K, R] bool tensors. Kept per position so that two heads can be compared
-    on the same positions (a paired difference is far tighter than two agreements' own noise)."""
+    which positions count: three [D, K, R] bool tensors (R roots per sequence), scored `batch` sequences at a
+    time. Kept per position so that two heads can be compared on the same positions (a paired difference is
+    far tighter than two agreements' own noise: `rasd.train.head_compare`)."""
+    device = _device_of(head)
+    parts = [_batch_hits(head, sequences[s: s + batch].to(device), feats[s: s + batch].to(device).float(),
+                         valid[s: s + batch].to(device), prompt_len, depths) for s in range(0, len(sequences), batch)]
+    return tuple(torch.cat([p[i] for p in parts], 1) for i in range(3))
+
+
+def _batch_hits(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, prompt_len: int,
+                depths: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     k, t = seq.shape
     roots = torch.arange(max(1, prompt_len - 1), t - depths, device=seq.device)              # [R]
     hit1, hit4, ok = [], [], []
@@ -600,6 +599,19 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def held_out_split(rows: list[dict], eval_seqs: int) -> tuple[list[dict], list[dict]]:
+    """(rows to train on, held-out rows): the last `eval_seqs` rows (at most a tenth) are never trained on."""
+    n_eval = min(eval_seqs, max(1, len(rows) // 10))
+    return rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
+
+
+def held_out_windows(tokenizer: Any, eval_rows: list[dict]) -> torch.Tensor:
+    """The held-out rows' first user turns as 32-token prompt windows [K, 32], as training scores them."""
+    from rasd.train.common import _prompt_of, prompt_windows
+
+    return prompt_windows(tokenizer, [p for p in (_prompt_of(r) for r in eval_rows) if p], 32)
+
+
 def _rows(data: str) -> list[dict]:
     """Conversations: a ShareGPT-style JSONL(.gz) (`builtin`: the shared ShareGPT, else offline prompts)."""
     from rasd.train.common import BUILTIN, SHAREGPT, _json_lines, load_prompts, shared_data
@@ -646,8 +658,8 @@ def run(args: argparse.Namespace) -> int:
         rows = _rows(args.data)
         if len(rows) < 2:
             raise ValueError(f"{args.data}: need at least 2 conversations (one is held out)")
-        n_eval = min(args.eval_seqs, max(1, len(rows) // 10))
-        train_rows, eval_rows = rows[: len(rows) - n_eval][: args.seqs], rows[len(rows) - n_eval:]
+        rest, eval_rows = held_out_split(rows, args.eval_seqs)
+        train_rows = rest[: args.seqs]
         target = load_model(args.model, device=args.device, dtype="float32")
         report, head = train_eagle(target, train_rows, eval_rows, args,
                                    rasd_home() / "eagle-features" / slug(args.model), generation_cache(args.model))
@@ -666,8 +678,6 @@ def run(args: argparse.Namespace) -> int:
 def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args: argparse.Namespace,
                 features_dir: Path, selfgen: Path) -> tuple[dict[str, Any], EagleHead]:
     """Features (cached), draft vocabulary, training, held-out agreement; returns (report, head)."""
-    from rasd.train.common import _prompt_of, prompt_windows
-
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     regen, turns = getattr(args, "regenerate", 0), _turns(getattr(args, "turns", "1"))
@@ -689,12 +699,12 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     features_s = time.perf_counter() - t0
     eos = set(target.eos_token_ids or ())
     vocab = draft_vocabulary(data["counts"], args.draft_vocab, eos)
-    prompts = [p for p in (_prompt_of(r) for r in eval_rows) if p]
-    windows = prompt_windows(target.tokenizer, prompts, 32)
+    windows = held_out_windows(target.tokenizer, eval_rows)
     eval_seqs, eval_feats, eval_valid = held_out_set(target.model, windows, 48, eos, selfgen, taps=taps)
     head = _start_head(target.model, vocab, args.init, taps)
     before = depth_agreement(head.eval(), eval_seqs, eval_feats, eval_valid, windows.shape[1])
-    parent = {k: v.detach().clone() for k, v in head.state_dict().items()}
+    weight = getattr(args, "average_init", None)
+    parent = {k: v.detach().clone() for k, v in head.state_dict().items()} if weight is not None else None
     tokens = sum(len(s) for s in seqs)
     steps = args.steps if args.steps is not None else max(1, math.ceil(args.epochs * len(seqs) / args.batch))
     t1 = time.perf_counter()
@@ -706,9 +716,8 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     final = train_head(head, data["tokens"], data["feats"], steps, args.batch, args.lr, args.noise,
                        args.cls_weight, order_seed, checkpoint=checkpoint, ttt=args.ttt)
     train_s = time.perf_counter() - t1
-    weight = getattr(args, "average_init", None)
     trained = None
-    if weight is not None:
+    if parent is not None:
         trained = depth_agreement(head, eval_seqs, eval_feats, eval_valid, windows.shape[1])
         average_weights(head, parent, weight)
     after = depth_agreement(head, eval_seqs, eval_feats, eval_valid, windows.shape[1])

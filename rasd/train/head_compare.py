@@ -46,39 +46,26 @@ def paired_differences(hits_a: torch.Tensor, hits_b: torch.Tensor, ok: torch.Ten
     return out
 
 
-def held_out_text(target: Any, data: str = "builtin", eval_seqs: int = 128
-                  ) -> tuple[list[dict], torch.Tensor]:
-    """The held-out conversations of `rasd train eagle --data DATA --eval-seqs N` and their prompt windows [K, P]
-    (the same split: the last rows, never trained on)."""
-    from rasd.train.common import _prompt_of, prompt_windows
-    from rasd.train.eagle import _rows
-
-    rows = _rows(data)
-    n_eval = min(eval_seqs, max(1, len(rows) // 10))
-    eval_rows = rows[len(rows) - n_eval:]
-    prompts = [p for p in (_prompt_of(r) for r in eval_rows) if p]
-    return eval_rows, prompt_windows(target.tokenizer, prompts, 32)
-
-
 def compare_heads(target: Any, heads: list[Path], data: str = "builtin", eval_seqs: int = 128,
                   model_name: str = "default") -> dict[str, Any]:
     """Each head's top-1 by depth and its paired difference against `heads[0]`, on the held-out text that
     `rasd train eagle` scores (the target's greedy continuations, cached under $RASD_HOME)."""
     from rasd.decoding.eagle import head_taps, load_head
     from rasd.train.common import generation_cache
-    from rasd.train.eagle import held_out_set
+    from rasd.train.eagle import _rows, held_out_set, held_out_split, held_out_windows
 
-    _, windows = held_out_text(target, data, eval_seqs)
+    windows = held_out_windows(target.tokenizer, held_out_split(_rows(data), eval_seqs)[1])
     eos = set(target.eos_token_ids or ())
     by_taps: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     scored = []
     for path in heads:
-        taps = tuple(head_taps(path))
+        taps = head_taps(path)
         if taps not in by_taps:
             by_taps[taps] = held_out_set(target.model, windows, 48, eos, generation_cache(model_name), taps=taps)
         seqs, feats, valid = by_taps[taps]
         head = load_head(target.model, path, model_name)
-        scored.append((path, *_hits(head, seqs, feats, valid, windows.shape[1])))
+        hit1, _, ok = position_hits(head, seqs, feats, valid, windows.shape[1])
+        scored.append((path, hit1, ok))
     _, ref_hits, ref_ok = scored[0]
     rows = []
     for path, hit1, ok in scored:
@@ -88,15 +75,6 @@ def compare_heads(target: Any, heads: list[Path], data: str = "builtin", eval_se
         rows.append({"head": str(path), "top1": top1,
                      "against_first": [vars(p) for p in paired_differences(ref_hits, hit1, ok)]})
     return {"held_out_sequences": int(windows.shape[0]), "heads": rows}
-
-
-def _hits(head: Any, seqs: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, prompt_len: int,
-          batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-1 hits and counted positions [D, K, R], in the batches `depth_agreement` scores (so the numbers are
-    the training report's own)."""
-    parts = [position_hits(head, seqs[s: s + batch], feats[s: s + batch].float(), valid[s: s + batch], prompt_len,
-                           DEPTHS) for s in range(0, len(seqs), batch)]
-    return torch.cat([p[0] for p in parts], 1), torch.cat([p[2] for p in parts], 1)
 
 
 def format_comparison(result: dict[str, Any]) -> str:
