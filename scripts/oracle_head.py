@@ -117,6 +117,8 @@ def main() -> None:
     speed: dict[str, list[float]] = {n: [] for n in names}
     accepted: dict[str, list[float]] = {n: [] for n in names}
     mismatches = 0
+    by_category: dict[str, list[int]] = {}   # the first variant's depth-1 [hits, tries] per category
+    first = next(iter(oracles), None)
     for i, prompt in enumerate(tqdm(prompts, desc="prompts")):
         order = names[i % len(names):] + names[: i % len(names)]
         truth = None
@@ -125,7 +127,12 @@ def main() -> None:
             runner.bind(prompt)
             if name in oracles:
                 oracles[name].truth = truth
+            before = (oracles[name].hits, oracles[name].tries) if name == first else (0, 0)
             out = runner.decoder.generate(prompt.input_ids, args.max_new_tokens, eos_token_ids=runner.eos_ids)
+            if name == first:
+                counts = by_category.setdefault(kept[i].category, [0, 0])
+                counts[0] += oracles[name].hits - before[0]
+                counts[1] += oracles[name].tries - before[1]
             if truth is None:
                 truth = list(prompt.input_ids) + list(out.token_ids)
             elif list(prompt.input_ids) + list(out.token_ids) != truth:
@@ -135,6 +142,9 @@ def main() -> None:
             speed[name].append((stats.new_tokens - 1) / decode_s if decode_s > 0 else 0.0)
             accepted[name].append(stats.mean_accepted_tokens)
     _report(names, speed, accepted, oracles, mismatches)
+    if first is not None:
+        print(f"{first}: depth-1 agreement by category: " + ", ".join(
+            f"{c} {h / t:.2f}" for c, (h, t) in sorted(by_category.items()) if t))
 
 
 def _report(names: list[str], speed: dict[str, list[float]], accepted: dict[str, list[float]],
