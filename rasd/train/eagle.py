@@ -38,6 +38,9 @@ from rasd.decoding.features import FinalNormTap, final_norm
 from rasd.train.common import check_numbers, greedy_continuations, model_fingerprint, write_json
 
 DEPTHS = 4
+# A long-window answer is trained from its prompt's last this-many tokens on, as a 32-token window's whole is: the
+# document before them is context the head attends to, not text it will draft.
+LOSS_PROMPT_TAIL = 32
 SAMPLE_SEED_STRIDE = 1_000_003   # draw k of a prompt chunk is seeded seed + chunk start + k * this: no two meet
 
 
@@ -78,7 +81,7 @@ def user_turns(row: dict, turns: tuple[int, ...] = (1,)) -> list[str]:
 def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path | None, window: int = 32,
                      batch: int = 128, turns: tuple[int, ...] = (1,), gen_dtype: str = "float32",
                      temperature: float = 0.0, seed: int = 0, samples: int = 1, taps: tuple[int, ...] = (),
-                     limit: int | None = None) -> dict[str, Any]:
+                     limit: int | None = None, long_windows: tuple[int, ...] = ()) -> dict[str, Any]:
     """The target's answers (greedy, or sampled at `temperature`) to each conversation's user turns `turns`
     (default the first), with their features (EAGLE-3's data).
 
@@ -94,7 +97,10 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     cached chunks are reused). `taps`: the features carry those layers too (a fused head's; cached apart; a
     chunk cached without them gets them from one teacher forward of its text). `limit`: only the first this many
     prompts (in turn order), so a run can stop at the chunks a budget allows and a longer one extends it.
-    Returns what `extract_features` does: {"tokens": [list], "feats": [fp16 [n_i, H]], "counts": [vocab]}.
+    `long_windows`: also answer every prompt at least that long from its last that-many tokens (once, sampled as
+    draw 0 is), so the head learns to draft beside a document in the prompt, as document QA has it.
+    Returns what `extract_features` does: {"tokens": [list], "feats": [fp16 [n_i, H]], "counts": [vocab]}, and
+    "loss_from" [int]: per answer, the first position trained on (the last `LOSS_PROMPT_TAIL` prompt tokens on).
     """
     from rasd.train.common import prompt_windows
 
@@ -102,17 +108,30 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     windows = prompt_windows(target.tokenizer, prompts, window)[:limit]
     eos = sorted(set(target.eos_token_ids or ()))
     vocab = target.model.get_output_embeddings().weight.shape[0]
-    out: dict[str, Any] = {"tokens": [], "feats": [], "counts": torch.zeros(vocab, dtype=torch.long)}
+    out: dict[str, Any] = {"tokens": [], "feats": [], "counts": torch.zeros(vocab, dtype=torch.long), "loss_from": []}
     _check_samples(samples, temperature)
     model = _generation_copy(target.model, gen_dtype)
-    chunks = [(draw, s) for draw in range(samples) for s in range(0, len(windows), batch)]
-    for draw, s in tqdm(chunks, desc=f"answers with features ({batch} a chunk)", unit="chunk"):
-        part = _answers_chunk(model, windows[s: s + batch], gen_tokens, eos, cache, temperature,
+    sets = [(windows, samples)] + [(_long_windows(target.tokenizer, prompts, w), 1) for w in long_windows]
+    chunks = [(set_windows, draw, s) for set_windows, draws in sets for draw in range(draws)
+              for s in range(0, len(set_windows), batch)]
+    for set_windows, draw, s in tqdm(chunks, desc=f"answers with features ({batch} a chunk)", unit="chunk"):
+        part = _answers_chunk(model, set_windows[s: s + batch], gen_tokens, eos, cache, temperature,
                               seed + s + draw * SAMPLE_SEED_STRIDE, taps)
         out["tokens"] += part["tokens"]
         out["feats"] += part["feats"]
         out["counts"] += part["counts"]
+        out["loss_from"] += [max(0, set_windows.shape[1] - LOSS_PROMPT_TAIL)] * len(part["tokens"])
     return out
+
+
+def _long_windows(tokenizer: Any, prompts: list[str], length: int) -> torch.Tensor:
+    """[K, length] windows of the prompts that have `length` tokens ([0, length] when none has)."""
+    from rasd.train.common import prompt_windows
+
+    try:
+        return prompt_windows(tokenizer, prompts, length)
+    except ValueError:
+        return torch.zeros(0, length, dtype=torch.long)
 
 
 def _check_samples(samples: int, temperature: float) -> None:
@@ -299,9 +318,10 @@ def draft_vocabulary(counts: torch.Tensor, size: int, always: set[int] | None = 
     return counts.topk(size).indices.sort().values
 
 
-def _batch(tokens: list[list[int]], feats: list[torch.Tensor], idx: list[int]
+def _batch(tokens: list[list[int]], feats: list[torch.Tensor], idx: list[int], loss_from: list[int] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [B, T], feats [B, T, H] (float32), valid [B, T] for sequences idx, right-padded."""
+    """ids [B, T], feats [B, T, H] (float32), valid [B, T] for sequences idx, right-padded; a sequence's positions
+    before its `loss_from` are read (attended to), not trained on."""
     width = max(len(tokens[i]) for i in idx)
     hidden = feats[idx[0]].shape[-1]
     ids = torch.zeros(len(idx), width, dtype=torch.long)
@@ -309,7 +329,8 @@ def _batch(tokens: list[list[int]], feats: list[torch.Tensor], idx: list[int]
     valid = torch.zeros(len(idx), width, dtype=torch.bool)
     for j, i in enumerate(idx):
         n = len(tokens[i])
-        ids[j, :n], f[j, :n], valid[j, :n] = torch.tensor(tokens[i]), feats[i].float(), True
+        start = loss_from[i] if loss_from is not None else 0
+        ids[j, :n], f[j, :n], valid[j, start:n] = torch.tensor(tokens[i]), feats[i].float(), True
     return ids, f, valid
 
 
@@ -483,8 +504,10 @@ def _lr(step: int, steps: int, lr: float) -> float:
 
 def train_head(head: EagleHead, tokens: list[list[int]], feats: list[torch.Tensor], steps: int, batch: int = 8,
                lr: float = 1e-3, noise: float = 0.05, w_cls: float = 1.0, seed: int = 0,
-               checkpoint: Path | None = None, progress: bool = True, ttt: bool = False) -> dict[str, Any]:
-    """Optimise fc + layer on the stored features; resumable from `checkpoint` (same settings)."""
+               checkpoint: Path | None = None, progress: bool = True, ttt: bool = False,
+               loss_from: list[int] | None = None) -> dict[str, Any]:
+    """Optimise fc + layer on the stored features; resumable from `checkpoint` (same settings). `loss_from`: per
+    sequence, the first position trained on (those before are context only)."""
     params = [p for p in head.parameters() if p.requires_grad]
     device = _device_of(head)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -503,7 +526,7 @@ def train_head(head: EagleHead, tokens: list[list[int]], feats: list[torch.Tenso
                disable=not progress)
     for step in bar:
         idx = torch.randint(len(tokens), (min(batch, len(tokens)),), generator=order).tolist()
-        ids, f, valid = (t.to(device) for t in _batch(tokens, feats, idx))
+        ids, f, valid = (t.to(device) for t in _batch(tokens, feats, idx, loss_from))
         loss, parts = head_loss(head, ids, f, valid, noise, w_cls, gen, ttt)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -579,6 +602,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-answers", type=int, default=None,
                    help="with --regenerate: answer only the first N prompts of --turns (per draw); a multiple of "
                         "--gen-batch keeps the cached chunks a longer run reuses")
+    p.add_argument("--long-windows", default="",
+                   help="with --regenerate: also answer every prompt at least N tokens long from its last N tokens "
+                        "(comma separated, e.g. 384), trained from the prompt's last 32 tokens on: the head learns to "
+                        "draft beside a document in the prompt (summaries, document QA)")
     p.add_argument("--ttt", action="store_true",
                    help="EAGLE-3's training-time test: also train depth 2 on the head's own predicted features")
     p.add_argument("--init", type=Path, default=None,
@@ -648,6 +675,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         _turns(getattr(args, "turns", "1"))   # a bad --turns is refused before the data and the model are read
         _taps(getattr(args, "taps", ""))
+        if _long_windows_option(getattr(args, "long_windows", "")) and not getattr(args, "regenerate", 0):
+            raise ValueError("--long-windows answers prompts anew: it needs --regenerate TOKENS")
         check_numbers(args, positive=("seqs", "seq_len", "steps", "epochs", "batch", "lr", "eval_seqs", "gen_batch",
                                         "max_answers"),
                       non_negative=("noise", "cls_weight", "draft_vocab", "regenerate"))
@@ -683,13 +712,14 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     regen, turns = getattr(args, "regenerate", 0), _turns(getattr(args, "turns", "1"))
     taps = _taps(getattr(args, "taps", ""))
     _check_taps(target.model, taps)
+    long_windows = _long_windows_option(getattr(args, "long_windows", "")) if regen else ()
     folder = features_dir / model_fingerprint(target.model)
     if regen:
         data = regenerated_data(target, train_rows, regen, selfgen, turns=turns,
                                 gen_dtype=getattr(args, "gen_dtype", "float32"),
                                 temperature=getattr(args, "temperature", 0.0), seed=args.seed,
                                 batch=getattr(args, "gen_batch", 128), samples=getattr(args, "samples", 1),
-                                taps=taps, limit=getattr(args, "max_answers", None))
+                                taps=taps, limit=getattr(args, "max_answers", None), long_windows=long_windows)
     else:
         seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
         data = extract_features(target.model, seqs, folder, taps=taps) if seqs else {"tokens": []}
@@ -712,9 +742,11 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     settings = [len(seqs), args.seq_len, regen, steps, args.batch, args.lr, args.noise, args.cls_weight, order_seed,
                 args.draft_vocab] + ([args.ttt, str(args.init)] if args.ttt or args.init else [])
     settings += [list(taps)] if taps else []
+    settings += [list(long_windows)] if long_windows else []
     checkpoint = folder / f"checkpoint-{sequences_key(seqs, str(settings))}.pt"   # resumed only with the same settings
     final = train_head(head, data["tokens"], data["feats"], steps, args.batch, args.lr, args.noise,
-                       args.cls_weight, order_seed, checkpoint=checkpoint, ttt=args.ttt)
+                       args.cls_weight, order_seed, checkpoint=checkpoint, ttt=args.ttt,
+                       loss_from=data.get("loss_from") or None)
     train_s = time.perf_counter() - t1
     trained = None
     if parent is not None:
@@ -731,6 +763,7 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
               "temperature": getattr(args, "temperature", 0.0) if regen else None,
               "samples": getattr(args, "samples", 1) if regen else None,
               "max_answers": getattr(args, "max_answers", None) if regen else None,
+              "long_windows": list(long_windows),
               "init": str(args.init) if args.init else None, "taps": list(taps),
               "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
               "average_init": weight, "agreement_trained": trained,
@@ -782,6 +815,18 @@ def _start_head(target: torch.nn.Module, vocab: torch.Tensor | None, init: Path 
     missing, unexpected = head.load_state_dict(start.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("fc_taps") for k in missing), (missing, unexpected)
     return head.float().train()
+
+
+def _long_windows_option(text: str) -> tuple[int, ...]:
+    """`--long-windows 256,384` -> (256, 384); each must be longer than the 32-token windows every answer has."""
+    try:
+        lengths = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--long-windows {text!r}: give prompt lengths in tokens, comma separated, e.g. 384") from None
+    bad = [n for n in lengths if n <= LOSS_PROMPT_TAIL]
+    if bad:
+        raise ValueError(f"--long-windows {text!r}: each must be more than {LOSS_PROMPT_TAIL} tokens")
+    return tuple(sorted(set(lengths)))
 
 
 def _taps(text: str) -> tuple[int, ...]:

@@ -286,6 +286,13 @@ def test_train_eagle_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path,  # noq
     assert report3["train_tokens"] == report2["train_tokens"]
     assert sorted((tmp_path / "home" / "selfgen").rglob("*.pt")) == answers
     assert not torch.equal(load_file(str(other))["fc.weight"], load_file(str(more))["fc.weight"])
+    # long prompt windows: the prompts that have 40 tokens answered again from their last 40, beside the others
+    longer = tmp_path / "long.safetensors"
+    assert main([*args[:-2], "--eval-seqs", "4", "--out", str(longer), "--init", str(out), "--regenerate", "12",
+                 "--ttt", "--steps", "10", "--turns", "1,2", "--long-windows", "40"]) == 0
+    report5 = json.loads(longer.with_suffix(".json").read_text())
+    assert report5["long_windows"] == [40] and report2["long_windows"] == []
+    assert report5["sequences"] > report2["sequences"] and report5["train_tokens"] > report2["train_tokens"]
     # EAGLE-3's fused features: the plain head continued with layer 0 tapped, on answers cached apart
     fused = tmp_path / "fused.safetensors"
     assert main([*args[:-2], "--eval-seqs", "4", "--out", str(fused), "--init", str(out), "--regenerate", "12",
