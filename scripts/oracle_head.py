@@ -74,8 +74,12 @@ class Oracle:
 
 
 def head_proposer(proposer: Any) -> Any:
-    """The EAGLE proposer inside a method's proposer (`eagle` itself, `rasd`'s drafter)."""
-    return getattr(proposer, "draft", None) or proposer
+    """The EAGLE proposer inside a method's proposer (`eagle` itself, `rasd`'s drafter); a method without one is
+    refused (there is no head to make better)."""
+    found = getattr(proposer, "draft", None) or proposer
+    if not getattr(found, "wants_hidden", False):
+        raise SystemExit(f"oracle_head: method {getattr(proposer, 'name', proposer)!r} drafts with no EAGLE head")
+    return found
 
 
 def main() -> None:

@@ -42,3 +42,9 @@ def test_a_boosted_head_is_right_more_often_and_the_output_stays_the_targets() -
         assert oracle.tries > 0
         agreement.append(oracle.hits / oracle.tries)
     assert agreement[0] < 0.5 and agreement[1] == 1.0
+
+
+def test_a_method_without_a_head_is_refused() -> None:
+    script = load_script("oracle_head")
+    with pytest.raises(SystemExit, match="no EAGLE head"):
+        script.head_proposer(make_proposer("pld"))
