@@ -46,7 +46,8 @@ class Oracle:
     def __init__(self, proposer: Any, boost: float):
         self.proposer, self.boost = proposer, boost
         self.truth: list[int] = []
-        self.hits = self.tries = 0
+        self.category = ""                         # the prompt's, set by the caller: counts are kept per category
+        self.counts: dict[str, list[int]] = {}     # category -> [depth-1 hits, tries]
         sync, forward_nodes = proposer._sync, proposer._forward_nodes
 
         def _sync(context: list[int]) -> torch.Tensor | None:
@@ -54,9 +55,10 @@ class Oracle:
             logits = sync(context)
             if logits is not None and logits is not before:   # a fresh root forward, not the cached one
                 self._raise(logits, len(context), [])
-                self.tries += 1
                 nxt = true_next(self.truth, len(context), [])
-                self.hits += int(nxt is not None and int(logits.argmax()) == nxt)
+                counts = self.counts.setdefault(self.category, [0, 0])
+                counts[0] += int(nxt is not None and int(logits.argmax()) == nxt)
+                counts[1] += 1
             return logits
 
         def _forward_nodes(tree: Any, first: int, context_len: int) -> torch.Tensor:
@@ -66,6 +68,14 @@ class Oracle:
             return logits
 
         proposer._sync, proposer._forward_nodes = _sync, _forward_nodes
+
+    @property
+    def hits(self) -> int:
+        return sum(h for h, _ in self.counts.values())
+
+    @property
+    def tries(self) -> int:
+        return sum(t for _, t in self.counts.values())
 
     def _raise(self, logits: torch.Tensor, context_len: int, path: list[int]) -> None:
         nxt = true_next(self.truth, context_len, path) if self.boost else None
@@ -118,11 +128,11 @@ def main() -> None:
         runner.prepare(prompts, args.max_new_tokens)
         runner.decoder.generate(prompts[0].input_ids[:64], 8)   # warm-up, untimed
         runner.after_warmup()
+    for oracle in oracles.values():
+        oracle.counts.clear()   # the warm-up's tries had no text to be right about
     speed: dict[str, list[float]] = {n: [] for n in names}
     accepted: dict[str, list[float]] = {n: [] for n in names}
     mismatches = 0
-    by_category: dict[str, list[int]] = {}   # the first variant's depth-1 [hits, tries] per category
-    first = next(iter(oracles), None)
     for i, prompt in enumerate(tqdm(prompts, desc="prompts")):
         order = names[i % len(names):] + names[: i % len(names)]
         truth = None
@@ -130,25 +140,19 @@ def main() -> None:
             runner = runners[name]
             runner.bind(prompt)
             if name in oracles:
-                oracles[name].truth = truth
-            before = (oracles[name].hits, oracles[name].tries) if name == first else (0, 0)
-            out = runner.decoder.generate(prompt.input_ids, args.max_new_tokens, eos_token_ids=runner.eos_ids)
-            if name == first:
-                counts = by_category.setdefault(kept[i].category, [0, 0])
-                counts[0] += oracles[name].hits - before[0]
-                counts[1] += oracles[name].tries - before[1]
+                oracles[name].truth, oracles[name].category = truth, prompt.item.category
+            record = runner.run(prompt.input_ids, args.max_new_tokens, None)
             if truth is None:
-                truth = list(prompt.input_ids) + list(out.token_ids)
-            elif list(prompt.input_ids) + list(out.token_ids) != truth:
+                truth = list(prompt.input_ids) + record.token_ids
+            elif list(prompt.input_ids) + record.token_ids != truth:
                 mismatches += 1
-            stats = out.stats
-            decode_s = stats.total_time_s - stats.prefill_time_s
-            speed[name].append((stats.new_tokens - 1) / decode_s if decode_s > 0 else 0.0)
-            accepted[name].append(stats.mean_accepted_tokens)
+            speed[name].append(record.tokens_per_s or 0.0)
+            accepted[name].append(record.mean_accepted_tokens or 0.0)
     _report(names, speed, accepted, oracles, mismatches)
-    if first is not None:
+    if oracles:
+        first, oracle = next(iter(oracles.items()))
         print(f"{first}: depth-1 agreement by category: " + ", ".join(
-            f"{c} {h / t:.2f}" for c, (h, t) in sorted(by_category.items()) if t))
+            f"{c} {h / t:.2f}" for c, (h, t) in sorted(oracle.counts.items()) if t))
 
 
 def _report(names: list[str], speed: dict[str, list[float]], accepted: dict[str, list[float]],

@@ -119,15 +119,22 @@ def test_a_plain_cached_chunk_gets_its_taps_from_one_teacher_forward(tmp_path: P
     assert len(list(tmp_path.glob("*-taps0-1-features.pt"))) == 1, "cached apart from the plain chunk"
 
 
-def test_max_answers_answers_only_the_first_prompts(tmp_path: Path) -> None:
-    """`--max-answers N`: the first N prompts' answers, the chunks a longer run reads back."""
+def tiny_target(folder: Path, init: float = 0.02) -> SimpleNamespace:
+    """A tiny Llama with a real (tiny) tokenizer, shaped as `regenerated_data` reads a loaded model."""
     from transformers import AutoTokenizer
 
-    from rasd.train.eagle import regenerated_data
     from tests.helpers import make_tiny_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path / "tok"))
-    target = SimpleNamespace(model=tiny_llama(3, vocab=len(tokenizer)), tokenizer=tokenizer, eos_token_ids=[])
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(folder / "tok"))
+    return SimpleNamespace(model=tiny_llama(3, vocab=len(tokenizer), init=init), tokenizer=tokenizer,
+                           eos_token_ids=[])
+
+
+def test_max_answers_answers_only_the_first_prompts(tmp_path: Path) -> None:
+    """`--max-answers N`: the first N prompts' answers, the chunks a longer run reads back."""
+    from rasd.train.eagle import regenerated_data
+
+    target = tiny_target(tmp_path)
     rows = [{"conversations": [{"from": "human", "value": f"tell me about glaciers and bridges, part {i} " * 3}]}
             for i in range(6)]
     some = regenerated_data(target, rows, 4, tmp_path / "c", window=8, batch=2, limit=4)
@@ -140,14 +147,11 @@ def test_max_answers_answers_only_the_first_prompts(tmp_path: Path) -> None:
 def test_long_windows_answer_the_long_prompts_again_and_train_from_their_tail(tmp_path: Path) -> None:
     """`--long-windows 40`: every prompt of 40 tokens or more is answered a second time from its last 40 tokens; the
     loss starts at that window's last 32 prompt tokens, the document before them is context only."""
-    from transformers import AutoTokenizer
-
     from rasd.train.common import encode_prompt
     from rasd.train.eagle import LOSS_PROMPT_TAIL, _batch, regenerated_data
-    from tests.helpers import make_tiny_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path / "tok"))
-    target = SimpleNamespace(model=tiny_llama(3, vocab=len(tokenizer)), tokenizer=tokenizer, eos_token_ids=[])
+    target = tiny_target(tmp_path)
+    tokenizer = target.tokenizer
     texts = [f"glaciers and bridges, part {i} " * (12 if i % 2 else 1) for i in range(4)]
     rows = [{"conversations": [{"from": "human", "value": t}]} for t in texts]
     long = [encode_prompt(tokenizer, t, True) for t in texts if len(encode_prompt(tokenizer, t, True)) >= 40]
@@ -200,15 +204,9 @@ def test_the_two_level_draw_is_exact_across_blocks() -> None:
 def test_several_sampled_answers_per_prompt_are_distinct_draws_and_reuse_the_first(tmp_path: Path) -> None:
     """`--samples 2`: every prompt answered twice with other seeds; draw 0 is the single draw's text, read from its
     cache; more than one greedy answer per prompt is refused (it would be the same text)."""
-
-    from transformers import AutoTokenizer
-
     from rasd.train.eagle import regenerated_data
-    from tests.helpers import make_tiny_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path / "tok"))
-    target = SimpleNamespace(model=tiny_llama(3, vocab=len(tokenizer), init=0.2), tokenizer=tokenizer,
-                             eos_token_ids=[])
+    target = tiny_target(tmp_path, init=0.2)
     rows = [{"conversations": [{"from": "human", "value": f"tell me about glaciers and bridges, part {i} " * 3}]}
             for i in range(3)]
     one = regenerated_data(target, rows, 6, tmp_path / "cache", window=8, temperature=0.9, seed=1)
