@@ -49,11 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_train(sub: Any) -> None:
     """`rasd train {eagle,eesd,ldlp}`: the learned parts of the self-draft and of AdaEAGLE's length predictor."""
-    from rasd.train import eagle, eesd, ldlp
+    from rasd.train import eagle_head, eesd, ldlp
 
     p = sub.add_parser("train", help="train the EAGLE head, EESD's exit layer or AdaEAGLE's length predictor")
     what = p.add_subparsers(dest="what", required=True)
-    eagle.add_parser(what)
+    eagle_head.add_parser(what)
     eesd.add_parser(what)
     ldlp.add_parser(what)
 
@@ -97,7 +97,7 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Generate, streaming text to stdout (or one JSON object with --json), statistics on stderr."""
-    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.runtime.engine import build_decoder
 
     check_method(args.method, args.model, args.draft_model, args.sizing, args.eesd, args.ldlp, args.eagle)
     text = read_prompt(args)

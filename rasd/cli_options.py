@@ -34,7 +34,7 @@ def add_sampling_args(p: argparse.ArgumentParser, top_k_flag: str = "--top-k") -
 
 def sampling_from_args(args: argparse.Namespace) -> Any:
     """SamplingParams from the shared options; invalid values are one-line errors."""
-    from rasd.decoding.sampling import SamplingParams
+    from rasd.decoding.step.sampling import SamplingParams
 
     try:
         return SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)
@@ -44,7 +44,7 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
 
 def load_target(args: argparse.Namespace) -> tuple[Any, Any]:
     """Target and optional draft model, turning load failures into one-line errors."""
-    from rasd.decoding.model_loading import ModelLoadError, load_draft, load_model
+    from rasd.decoding.model.loading import ModelLoadError, load_draft, load_model
 
     try:
         target = load_model(args.model, device=args.device, dtype=args.dtype,

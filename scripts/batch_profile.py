@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from rasd.apps.docqa import RETRIEVAL_METHODS, Source, fit_sources, open_index, scope_proposer
-from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.engine import build_decoder, vocab_size
-from rasd.decoding.model_loading import load_model
+from rasd.decoding.model.loading import load_model
 from rasd.decoding.proposers.recycling import RecyclingMatrix
+from rasd.decoding.runtime.engine import build_decoder, vocab_size
+from rasd.decoding.step.batch_decoder import BatchDecoder
 from rasd.eval.load import SAMPLE_QUESTIONS
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
     from rasd.train.head_compare import compare_heads, format_comparison
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

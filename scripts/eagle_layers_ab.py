@@ -12,7 +12,7 @@ evaluates on.
 
     python scripts/eagle_layers_ab.py --seqs 512 --steps 150 --taps 2,15 \
         --out docs/results/eagle_layers_ab.json
-    python scripts/eagle_layers_ab.py --init rasd/decoding/heads/smollm2-135m-instruct.safetensors \
+    python scripts/eagle_layers_ab.py --init rasd/decoding/model/heads/smollm2-135m-instruct.safetensors \
         --selfgen 8 --steps 600 --lr 1e-3 --out docs/results/eagle_layers_ab_v12.json
 """
 
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from rasd.decoding.eagle import load_head, save_head
-from rasd.decoding.model_loading import load_model
+from rasd.decoding.model.eagle_head import load_head, save_head
+from rasd.decoding.model.loading import load_model
 from rasd.train.common import generation_cache
-from rasd.train.eagle import (
+from rasd.train.eagle_head import (
     _rows,
     _start_head,
     conversation_ids,

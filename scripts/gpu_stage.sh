@@ -10,8 +10,8 @@ set -euo pipefail
 PY=${PY:-.venv/bin/python}
 DATA=${RASD_DATA:-../shared/data}
 rm -rf .gpu && mkdir -p .gpu/a/w .gpu/a/tok .gpu/r
-gguf=$($PY -c "from rasd.decoding.model_loading import find_gguf; print(find_gguf())")
-model=$($PY -c "from rasd.decoding.model_loading import default_model_path; print(default_model_path())")
+gguf=$($PY -c "from rasd.decoding.model.loading import find_gguf; print(find_gguf())")
+model=$($PY -c "from rasd.decoding.model.loading import default_model_path; print(default_model_path())")
 head -c 50000000 "$gguf" > .gpu/a/part_aa
 tail -c +50000001 "$gguf" > .gpu/r/part_ab
 cp "$model"/tokenizer* "$model"/chat_template.jinja .gpu/a/tok/ 2>/dev/null || cp "$model"/tokenizer* .gpu/a/tok/

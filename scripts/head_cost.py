@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from rasd.decoding import fast_forward
-from rasd.decoding.cache import GrowableLayer, TreeCache
-from rasd.decoding.eagle import EagleHead, shared_head
-from rasd.decoding.kernels import fast_kernels, install
-from rasd.decoding.model_loading import load_model
+from rasd.decoding.model import fast_forward
+from rasd.decoding.model.eagle_head import EagleHead, shared_head
+from rasd.decoding.model.kernels import fast_kernels, install
+from rasd.decoding.model.loading import load_model
+from rasd.decoding.step.cache import GrowableLayer, TreeCache
 
 
 def target_step(model: torch.nn.Module, cache: TreeCache, token: int, position: int) -> float:

@@ -14,7 +14,7 @@ import time
 
 import ray
 
-from rasd.decoding.history import ResponseHistory
+from rasd.decoding.drafting.history import ResponseHistory
 
 
 def filled_store(answers: int, length: int, seed: int) -> tuple[ResponseHistory, list[list[int]]]:

@@ -28,7 +28,7 @@ from typing import Any
 def save_prompts(index_spec: str, model: str, limit: int, top_k: int, max_tokens: int, path: str) -> int:
     """Retrieve and build each sample question's prompt, as `/v1/docqa` would; one JSON line per question."""
     from rasd.apps.docqa import DocQA, open_index
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
     from rasd.eval.load import SAMPLE_QUESTIONS
 
     qa = DocQA(open_index(index_spec, model), load_model(model), top_k=top_k, max_new_tokens=max_tokens)
@@ -43,7 +43,7 @@ def save_prompts(index_spec: str, model: str, limit: int, top_k: int, max_tokens
 def read_prompts(path: str, method: str, max_tokens: int) -> list[Any]:
     """The saved prompts as the service's `Prepared` requests (greedy)."""
     from rasd.apps.docqa import Source
-    from rasd.decoding.sampling import SamplingParams
+    from rasd.decoding.step.sampling import SamplingParams
     from rasd.serve.service import Prepared
 
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

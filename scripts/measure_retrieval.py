@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rasd.decoding.engine import build_decoder
-from rasd.decoding.fusion import PruneConfig
-from rasd.decoding.model_loading import load_model
+from rasd.decoding.drafting.fusion import PruneConfig
+from rasd.decoding.model.loading import load_model
+from rasd.decoding.runtime.engine import build_decoder
 from rasd.index.suffix_array import SuffixArray
 
 DATA = Path(__file__).parents[1] / "../shared/data/longbench/longbench_dev.jsonl"

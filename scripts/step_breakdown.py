@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
 
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
     from rasd.eval.runners import EngineRunner, SamplingConfig
 
     target = load_model("default")

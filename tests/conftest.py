@@ -30,7 +30,7 @@ def rasd_home_for_tests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
     hot-starts from them; tests (random prompts, tiny models) would otherwise leave their matrix and a cost
     curve per temporary model there. Set in os.environ, so Ray workers and CLI subprocesses inherit it.
     """
-    from rasd.decoding.model_loading import rasd_home
+    from rasd.decoding.model.loading import rasd_home
 
     real, before = rasd_home(), os.environ.get("RASD_HOME")
     home = tmp_path_factory.mktemp("rasd_home")

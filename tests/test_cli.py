@@ -173,7 +173,7 @@ def test_stop_waits_for_serve_only_as_long_as_its_bound() -> None:
 ])
 def test_bench_and_load_arguments_give_one_line_error_before_a_model_loads(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], message: str) -> None:
-    from rasd.decoding import model_loading
+    from rasd.decoding.model import loading as model_loading
 
     def no_model(*_: object, **__: object) -> None:
         raise AssertionError("no model may load for bad arguments")
@@ -201,7 +201,7 @@ def test_serve_port_out_of_range_is_refused_by_the_parser(capsys: pytest.Capture
 ])
 def test_training_numbers_give_one_line_error_before_data_or_a_model_is_read(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], message: str) -> None:
-    from rasd.decoding import model_loading
+    from rasd.decoding.model import loading as model_loading
     from rasd.train import common
 
     def nothing_read(*_: object, **__: object) -> None:

@@ -191,7 +191,7 @@ class Answerer:
         import torch
 
         from rasd.apps.docqa import DocQA
-        from rasd.decoding.model_loading import load_model
+        from rasd.decoding.model.loading import load_model
         from rasd.index.store import Index
 
         if threads:

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rasd.decoding.engine import SpeculativeDecoder, build_decoder, vocab_size
 from rasd.decoding.proposers import RecyclingMatrix, method_spec
 from rasd.decoding.proposers.recycling import matrix_path
-from rasd.decoding.sampling import GREEDY, SamplingParams
-from rasd.decoding.stats import DecodeStats
+from rasd.decoding.runtime.engine import SpeculativeDecoder, build_decoder, vocab_size
+from rasd.decoding.runtime.stats import DecodeStats
+from rasd.decoding.step.sampling import GREEDY, SamplingParams
 from rasd.text import as_id_list, encode_chat, has_chat_template
 
 SYSTEM_PROMPT = ("You answer questions using only the numbered sources the user gives. Quote the sources where "

@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from rasd.decoding.eagle import EagleHead, head_path, head_taps
+from rasd.decoding.model.eagle_head import EagleHead, head_path, head_taps
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.eagle import EagleProposer
-from rasd.decoding.sampling import GREEDY, SamplingParams
 from rasd.decoding.sizing.sizers import GrowRule
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict
+from rasd.decoding.step.sampling import GREEDY, SamplingParams
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import Verdict
 
 EESD_PREFIX = "eesd:"       # spec "eesd:<target model>": the target's EESD self-draft
 EAGLE_PREFIX = "eagle:"     # spec "eagle:<target model>": the target's EAGLE head (fed the target's features)
@@ -57,7 +57,7 @@ def worker_spec(worker_model: str | None, draft_model: str | None, model: str) -
     """What draft workers load: their own model (`eagle:<target>` for the target's EAGLE head), else the draft
     model (`eesd`: the target's self-draft), else what `rasd` drafts with in-process: the target's EAGLE head
     when it has one (trained or shipped), else its self-draft."""
-    from rasd.decoding.model_loading import is_self_draft
+    from rasd.decoding.model.loading import is_self_draft
     from rasd.decoding.proposers.registry import rasd_head_by_default
 
     if worker_model:
@@ -86,11 +86,11 @@ def load_draft_model(spec: str, device: str = "cpu", dtype: str = "float32", ees
     copied, and only N + 1 of them ever run here. `eagle:<target>` is the target's EAGLE head (an `EagleHead`,
     not an LM): the worker loads the target for the embedding and LM head the head shares.
     """
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
 
     head_target = eagle_target(spec)
     if head_target is not None:
-        from rasd.decoding.eagle import load_head
+        from rasd.decoding.model.eagle_head import load_head
 
         return load_head(load_model(head_target, device=device, dtype=dtype).model, None, head_target)
     target_name = eesd_target(spec)
@@ -148,7 +148,7 @@ class DraftWorker:
     def __init__(self, spec: str | torch.nn.Module, device: str = "cpu", dtype: str = "float32",
                  draft_options: dict[str, Any] | None = None, eesd: str | None = None, threads: int | None = 1,
                  fast: bool = True, max_requests: int = MAX_REQUESTS):
-        from rasd.decoding.kernels import install
+        from rasd.decoding.model.kernels import install
 
         if threads:   # Ray sets OMP_NUM_THREADS=1 for actors without CPUs; say how many threads we want
             torch.set_num_threads(threads)
@@ -190,7 +190,7 @@ class DraftWorker:
         `features`: the target's features of the positions committed since the last call, for a head.
         `grow`: the caller's cost sizer's rule for this step (whether one more draft layer pays); None: the
         tree grows while its candidates clear the probability floor."""
-        from rasd.decoding.kernels import fast_kernels
+        from rasd.decoding.model.kernels import fast_kernels
 
         proposer = self._fed(request_id, sampling, features)
         proposer.grow_pays = grow
@@ -202,7 +202,7 @@ class DraftWorker:
     def root_probs(self, request_id: str, context: list[int], sampling: SamplingParams | None = None,
                    features: Features = ()) -> torch.Tensor | None:
         """Draft next-token probabilities [vocab] after `context` (RASD's pruning source), on the CPU."""
-        from rasd.decoding.kernels import fast_kernels
+        from rasd.decoding.model.kernels import fast_kernels
 
         proposer = self._fed(request_id, sampling, features)
         with fast_kernels(self.fast):

@@ -30,7 +30,7 @@ from rasd.eval.datasets import BenchItem, BenchPrompt, load_items, prepare_promp
 from rasd.eval.runners import Runner, RunRecord, SamplingConfig, make_runner, run_prompts
 
 if TYPE_CHECKING:
-    from rasd.decoding.model_loading import LoadedModel
+    from rasd.decoding.model.loading import LoadedModel
 
 
 DEFAULT_METHODS = "ar,hf,hf-pld,pld"
@@ -164,7 +164,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Load data and models, run, print the table and write the requested files."""
     import torch
 
-    from rasd.decoding.model_loading import ModelLoadError, load_draft, load_model
+    from rasd.decoding.model.loading import ModelLoadError, load_draft, load_model
     from rasd.errors import CliError
 
     try:   # bad arguments, a missing dataset or model: one line, before any decoding
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rasd bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from rasd.decoding.model_loading import ModelLoadError
+    from rasd.decoding.model.loading import ModelLoadError
     from rasd.errors import CliError
 
     try:

@@ -171,7 +171,7 @@ def reference(index_spec: str, model: str, questions: list[str], method: str, to
     from tqdm import tqdm
 
     from rasd.apps.docqa import DocQA, open_index
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
     from rasd.eval.runners import HFRunner, SamplingConfig
 
     index, target = open_index(index_spec, model), load_model(model)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rasd.eval.datasets import BenchPrompt
 
 if TYPE_CHECKING:
-    from rasd.decoding.model_loading import LoadedModel
+    from rasd.decoding.model.loading import LoadedModel
 
 HF_METHODS = ("hf", "hf-static", "hf-pld", "hf-assisted")
 HF_PLD_NUM_TOKENS = 10  # HF's prompt-lookup window, the value Spec-Bench and the HF docs use
@@ -183,7 +183,7 @@ class HFRunner:
             kwargs.update(do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                           top_k=self.sampling.top_k)
         if self.name == "hf-static" and self.static_cache is not None:
-            from rasd.decoding.cache import cache_kwargs
+            from rasd.decoding.step.cache import cache_kwargs
 
             self.static_cache.reset()
             kwargs.update(cache_kwargs(self.target.model, self.static_cache))
@@ -249,7 +249,7 @@ class EngineRunner:
 
     def __init__(self, name: str, target: LoadedModel, sampling: SamplingConfig,
                  draft: LoadedModel | None = None) -> None:
-        from rasd.decoding.engine import build_decoder
+        from rasd.decoding.runtime.engine import build_decoder
 
         self.name = name
         self.target = target
@@ -295,7 +295,7 @@ class EngineRunner:
             proposer.scope(scope.scope_docs or None)
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> RunRecord:
-        from rasd.decoding.sampling import SamplingParams
+        from rasd.decoding.step.sampling import SamplingParams
 
         params = SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                 top_k=self.sampling.top_k, seed=seed)

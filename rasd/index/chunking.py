@@ -51,7 +51,7 @@ class Chunk:
 def resolve_tokenizer_path(name: str) -> str:
     """`default` is the embedded SmolLM2 (converted once); anything else is a hub id or local path."""
     if name == "default":
-        from rasd.decoding.model_loading import default_model_path
+        from rasd.decoding.model.loading import default_model_path
 
         return str(default_model_path())
     return name

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from rasd.decoding.stats import DecodeStats
+from rasd.decoding.runtime.stats import DecodeStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

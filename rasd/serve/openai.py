@@ -112,7 +112,7 @@ class _Request(BaseModel):
         fmt = self.response_format
         if fmt is None or fmt.get("type") in (None, "text"):
             return None
-        from rasd.decoding.grammar import json_grammar
+        from rasd.decoding.step.grammar import json_grammar
 
         kind = fmt.get("type")
         if kind == "json_object":

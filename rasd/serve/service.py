@@ -2,7 +2,7 @@
 
 `Service` owns the target model, the index and one continuous-batching `Scheduler`: every running request
 shares the target's forwards. All of its torch work (loading, warm-up, query and document embedding, each
-request's decoder, the decoding steps) runs on one `ComputeThread` (see `rasd.decoding.compute` for why:
+request's decoder, the decoding steps) runs on one `ComputeThread` (see `rasd.decoding.runtime.compute` for why:
 two threads running torch made every decoding step up to 1.5x slower). The Serve deployment (`serve.py`)
 only maps HTTP onto these methods, so the logic can be tested and reused without an HTTP server.
 """
@@ -23,17 +23,17 @@ from typing import Any
 import torch
 
 from rasd.apps.docqa import Source, fit_sources, scope_proposer
-from rasd.decoding.compute import ComputeThread
-from rasd.decoding.engine import GenerationOutput, build_decoder, vocab_size
-from rasd.decoding.grammar import ll_tokenizer
-from rasd.decoding.history import ResponseHistory
-from rasd.decoding.kernels import install
-from rasd.decoding.prefix_cache import PrefixCache
+from rasd.decoding.drafting.history import ResponseHistory
+from rasd.decoding.model.kernels import install
 from rasd.decoding.proposers import METHODS, RecyclingMatrix, method_spec
 from rasd.decoding.proposers.recycling import matrix_path
-from rasd.decoding.sampling import SamplingParams
-from rasd.decoding.scheduler import STALL_S, Overloaded, Scheduler
+from rasd.decoding.runtime.compute import ComputeThread
+from rasd.decoding.runtime.engine import GenerationOutput, build_decoder, vocab_size
+from rasd.decoding.runtime.prefix_cache import PrefixCache
+from rasd.decoding.runtime.scheduler import STALL_S, Overloaded, Scheduler
 from rasd.decoding.sizing.sizers import CostAwareSizer
+from rasd.decoding.step.grammar import ll_tokenizer
+from rasd.decoding.step.sampling import SamplingParams
 from rasd.distributed.draft_worker import NAME_PREFIX, DraftPool, check_spec, worker_spec
 from rasd.errors import ApiError
 from rasd.serve.metrics import ServiceMetrics
@@ -113,7 +113,7 @@ class Service:
     def __init__(self, config: ServeConfig, decode_only: bool = False):
         """`config.verifier_actor`: decoding runs in a `TargetVerifier` actor and this object keeps HTTP-side
         work (validation, search, ingest). `decode_only`: this object *is* that actor's service."""
-        from rasd.decoding.model_loading import load_model
+        from rasd.decoding.model.loading import load_model
 
         self.config = config
         self.compute = ComputeThread(config.threads)
@@ -139,7 +139,7 @@ class Service:
 
     def _start_decoding(self) -> None:
         """Draft model, draft workers, recycling matrix and the scheduler: what decodes requests here."""
-        from rasd.decoding.model_loading import load_draft
+        from rasd.decoding.model.loading import load_draft
 
         config = self.config
         self.draft = load_draft(config.draft_model, self.target)

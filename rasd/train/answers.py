@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from rasd.decoding import fast_forward
-from rasd.decoding.cache import GrowableLayer
-from rasd.decoding.features import layer_feature
+from rasd.decoding.model import fast_forward
+from rasd.decoding.model.features import layer_feature
+from rasd.decoding.step.cache import GrowableLayer
 
 
 @torch.inference_mode()

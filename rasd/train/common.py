@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from rasd.decoding.features import FinalNormTap
+from rasd.decoding.model.features import FinalNormTap
 from rasd.text import encode_prompt
 
 BUILTIN = "builtin"

@@ -217,7 +217,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rasd.decoding.model_loading import ModelLoadError, load_model
+    from rasd.decoding.model.loading import ModelLoadError, load_model
     from rasd.errors import CliError
     from rasd.train.common import check_numbers, load_prompts, prompt_windows
 

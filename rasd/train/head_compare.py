@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rasd.train.eagle import DEPTHS, position_hits
+from rasd.train.eagle_head import DEPTHS, position_hits
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,9 @@ def compare_heads(target: Any, heads: list[Path], data: str = "builtin", eval_se
                   model_name: str = "default") -> dict[str, Any]:
     """Each head's top-1 by depth and its paired difference against `heads[0]`, on the held-out text that
     `rasd train eagle` scores (the target's greedy continuations, cached under $RASD_HOME)."""
-    from rasd.decoding.eagle import head_taps, load_head
+    from rasd.decoding.model.eagle_head import head_taps, load_head
     from rasd.train.common import generation_cache
-    from rasd.train.eagle import _rows, held_out_set, held_out_split, held_out_windows
+    from rasd.train.eagle_head import _rows, held_out_set, held_out_split, held_out_windows
 
     windows = held_out_windows(target.tokenizer, held_out_split(_rows(data), eval_seqs)[1])
     eos = set(target.eos_token_ids or ())

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from rasd import paths
-from rasd.decoding.eagle import EagleHead
+from rasd.decoding.model.eagle_head import EagleHead
 from rasd.decoding.sizing.ldlp import LengthPredictor, ldlp_features, ldlp_labels, weighted_l1
 from rasd.train.common import self_generate, split, write_json
 
@@ -70,7 +70,7 @@ def _labeller(drafter: torch.nn.Module, tokens: torch.Tensor, final_hidden: torc
     rolled out as decoding drafts it (`train.eagle.head_chain_labels`); roots too close to the end get 0 (the
     caller never uses them)."""
     if isinstance(drafter, EagleHead):
-        from rasd.train.eagle import head_chain_labels
+        from rasd.train.eagle_head import head_chain_labels
 
         t = tokens.shape[1]
         roots = torch.arange(1, t - k_max)
@@ -159,8 +159,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rasd.decoding.eagle import load_head
-    from rasd.decoding.model_loading import ModelLoadError, load_model
+    from rasd.decoding.model.eagle_head import load_head
+    from rasd.decoding.model.loading import ModelLoadError, load_model
     from rasd.decoding.proposers.early_exit import load_early_exit
     from rasd.errors import CliError
     from rasd.train.common import check_numbers, generation_cache, load_prompts, prompt_windows

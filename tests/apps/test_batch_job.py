@@ -179,7 +179,7 @@ def sample_index() -> str:
 def test_batch_answers_equal_in_process_docqa_and_resume_skips_done_rows(tmp_path: Path, local_ray: None,
                                                                          sample_index: str) -> None:
     from rasd.apps.docqa import DocQA
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
     from rasd.index.store import Index
 
     out = tmp_path / "answers"

@@ -15,7 +15,7 @@ from rasd.eval.bench_docqa import qa_rows, split_passages
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from rasd.decoding.model_loading import default_model_path
+    from rasd.decoding.model.loading import default_model_path
 
     return AutoTokenizer.from_pretrained(str(default_model_path()))
 
@@ -81,7 +81,7 @@ DOCS = [
 
 @pytest.fixture(scope="module")
 def qa_setup(tmp_path_factory):
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
     from rasd.index import Document, build_index
     from rasd.index.store import Index
 

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from rasd.cli import main
 from rasd.train.answers import answers_with_features
-from rasd.train.eagle import _answers_chunk, _generate_with_features, _generation_copy, _hf_answers
+from rasd.train.eagle_head import _answers_chunk, _generate_with_features, _generation_copy, _hf_answers
 from tests.helpers import tiny_llama
 
 
@@ -33,7 +33,7 @@ def test_greedy_answers_and_features_are_hf_generates() -> None:
 def test_answers_with_tapped_layers_carry_what_a_teacher_forward_taps() -> None:
     """With `taps` (a fused head's data) every position's features are the tapped layers' and the final ones, as
     `extract_features` takes them from one HF forward over the written text; the text itself is unchanged."""
-    from rasd.train.eagle import extract_features
+    from rasd.train.eagle_head import extract_features
 
     target = tiny_llama(3)
     windows = _windows(4)
@@ -99,7 +99,7 @@ def test_a_plain_cached_chunk_gets_its_taps_from_one_teacher_forward(tmp_path: P
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`--taps` over answers cached without them: the same text, the tapped layers taken by one forward of it
     (what writing it with taps records), cached apart; nothing is generated again."""
-    import rasd.train.eagle as eagle
+    import rasd.train.eagle_head as eagle
 
     target = tiny_llama(3)
     windows = _windows(5)
@@ -132,7 +132,7 @@ def tiny_target(folder: Path, init: float = 0.02) -> SimpleNamespace:
 
 def test_max_answers_answers_only_the_first_prompts(tmp_path: Path) -> None:
     """`--max-answers N`: the first N prompts' answers, the chunks a longer run reads back."""
-    from rasd.train.eagle import regenerated_data
+    from rasd.train.eagle_head import regenerated_data
 
     target = tiny_target(tmp_path)
     rows = [{"conversations": [{"from": "human", "value": f"tell me about glaciers and bridges, part {i} " * 3}]}
@@ -148,7 +148,7 @@ def test_long_windows_answer_the_long_prompts_again_and_train_from_their_tail(tm
     """`--long-windows 40`: every prompt of 40 tokens or more is answered a second time from its last 40 tokens; the
     loss starts at that window's last 32 prompt tokens, the document before them is context only."""
     from rasd.train.common import encode_prompt
-    from rasd.train.eagle import LOSS_PROMPT_TAIL, _batch, regenerated_data
+    from rasd.train.eagle_head import LOSS_PROMPT_TAIL, _batch, regenerated_data
 
     target = tiny_target(tmp_path)
     tokenizer = target.tokenizer
@@ -204,7 +204,7 @@ def test_the_two_level_draw_is_exact_across_blocks() -> None:
 def test_several_sampled_answers_per_prompt_are_distinct_draws_and_reuse_the_first(tmp_path: Path) -> None:
     """`--samples 2`: every prompt answered twice with other seeds; draw 0 is the single draw's text, read from its
     cache; more than one greedy answer per prompt is refused (it would be the same text)."""
-    from rasd.train.eagle import regenerated_data
+    from rasd.train.eagle_head import regenerated_data
 
     target = tiny_target(tmp_path, init=0.2)
     rows = [{"conversations": [{"from": "human", "value": f"tell me about glaciers and bridges, part {i} " * 3}]}

@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from rasd.decoding.batch import BatchCache, BatchDecoder
-from rasd.decoding.cache import TreeCache
-from rasd.decoding.engine import GenerationStream, SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
-from rasd.decoding.sampling import SamplingParams
-from rasd.decoding.scheduler import Overloaded, Scheduler
+from rasd.decoding.runtime.engine import GenerationStream, SpeculativeDecoder
+from rasd.decoding.runtime.scheduler import Overloaded, Scheduler
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import batch_inputs
+from rasd.decoding.step.batch_decoder import BatchCache, BatchDecoder
+from rasd.decoding.step.cache import TreeCache
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import batch_inputs
 from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.engine import GenerationStream, SpeculativeDecoder, vocab_size
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.proposers.recycling import RecyclingMatrix
-from rasd.decoding.sizing.batch import BatchCostModel, BatchSizer, plan_row
+from rasd.decoding.runtime.engine import GenerationStream, SpeculativeDecoder, vocab_size
+from rasd.decoding.sizing.batch_width import BatchCostModel, BatchSizer, plan_row
 from rasd.decoding.sizing.cost import CostCurve
 from rasd.decoding.sizing.sizers import CostAwareSizer, FixedSizer
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.batch_decoder import BatchDecoder
+from rasd.decoding.step.tree import DraftTree
 from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]

@@ -1,6 +1,6 @@
 """The compute thread: queued calls run on one thread, and a service does all its torch work there.
 
-Why it matters (rasd/decoding/compute.py): with torch running on two threads, libgomp stops spinning and
+Why it matters (rasd/decoding/runtime/compute.py): with torch running on two threads, libgomp stops spinning and
 every decoding step of the service got up to 1.5x slower. The behaviour tested here is where work runs,
 not how fast it runs.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from rasd.decoding.compute import ComputeThread
+from rasd.decoding.runtime.compute import ComputeThread
 
 
 def test_calls_run_on_the_compute_thread_in_order_and_return_or_raise() -> None:

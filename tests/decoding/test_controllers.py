@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from rasd.decoding.engine import build_decoder
+from rasd.decoding.runtime.engine import build_decoder
 from rasd.decoding.sizing.cost import CostCurve
 from rasd.decoding.sizing.sizers import (
     SIZINGS,
@@ -23,7 +23,7 @@ from rasd.decoding.sizing.sizers import (
     ended_at_leaf,
     make_sizer,
 )
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.tree import DraftTree
 from tests.decoding.test_engine_greedy import check_stats, cpu_like_curve, flat_curve, make_decoder, prompt_of
 from tests.helpers import assert_greedy_equal, hf_greedy, tiny_llama
 

@@ -18,7 +18,7 @@ from rasd.decoding.sizing.cost import (
     measure_curve,
 )
 from rasd.decoding.sizing.sizers import AcceptanceEstimator, CostAwareSizer, FixedSizer
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.tree import DraftTree
 from tests.helpers import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,7 +80,7 @@ def test_the_default_curve_measures_inside_every_kernel_bucket() -> None:
     """Between two row counts where the kernels change form (`kernels._BUCKETS`) the cost is not the line
     between them (1k context, 2-core EPYC: 9 tokens cost 69 ms, the line from 8 to 16 says 57), so the curve
     measures every bucket's own size and at least one size inside every gap wider than one."""
-    from rasd.decoding.kernels import _BUCKETS
+    from rasd.decoding.model.kernels import _BUCKETS
 
     sizes = cost_mod.DEFAULT_SIZES
     assert list(sizes) == sorted(set(sizes)) and sizes[0] == 1

@@ -17,17 +17,17 @@ import torch
 from safetensors.torch import load_file
 
 from rasd.cli import main
-from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.eagle import EagleHead, HeadConfig, load_head, read_meta, save_head
-from rasd.decoding.engine import SpeculativeDecoder
+from rasd.decoding.model.eagle_head import EagleHead, HeadConfig, load_head, read_meta, save_head
+from rasd.decoding.model.static_step import StepConfig
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.proposers.registry import method_spec
-from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.static_step import StepConfig
+from rasd.decoding.step.batch_decoder import BatchDecoder
+from rasd.decoding.step.sampling import SamplingParams
 from rasd.index.suffix_array import SuffixArray
 from rasd.train.common import greedy_continuations
-from rasd.train.eagle import _turns, depth_agreement, draft_vocabulary, extract_features, train_head, user_turns
+from rasd.train.eagle_head import _turns, depth_agreement, draft_vocabulary, extract_features, train_head, user_turns
 from tests.decoding.test_eesd import WORDS, tiny_model_dir  # noqa: F401 - a fixture
 from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
@@ -365,8 +365,8 @@ def test_a_tree_that_fills_its_budget_stops_cleanly(budget: int) -> None:
 
 def test_training_time_test_pass_sees_what_a_depth_two_node_sees() -> None:
     """The second training pass (EAGLE-3's test) computes exactly the depth-2 chain node of decoding."""
-    from rasd.decoding.cache import GrowableLayer
-    from rasd.train.eagle import _second_pass_mask, _StepCache
+    from rasd.decoding.step.cache import GrowableLayer
+    from rasd.train.eagle_head import _second_pass_mask, _StepCache
 
     target = tiny_llama(3, vocab=96, init=0.02)
     seq = own_text(target, 1, seed=3)                                         # [1, 48]
@@ -389,7 +389,7 @@ def test_training_time_test_pass_sees_what_a_depth_two_node_sees() -> None:
 
 def test_training_time_test_lowers_the_depth_two_loss() -> None:
     """With the second pass trained, drafting on its own features gets better than without (tiny target)."""
-    from rasd.train.eagle import head_loss
+    from rasd.train.eagle_head import head_loss
 
     target = tiny_llama(0, vocab=96, init=0.02)
     seqs = own_text(target, 64)
@@ -409,8 +409,8 @@ def test_training_time_test_lowers_the_depth_two_loss() -> None:
 def test_answers_with_features_match_a_teacher_forward_and_stop_after_eos() -> None:
     """The regenerated training data takes its features from the generation's own forwards (no second
     pass): they must be the teacher forward's features, every answer cut after its first EOS."""
-    from rasd.decoding.features import FinalNormTap
-    from rasd.train.eagle import _generate_with_features, _shard_features
+    from rasd.decoding.model.features import FinalNormTap
+    from rasd.train.eagle_head import _generate_with_features, _shard_features
 
     target = tiny_llama(3)
     windows = torch.randint(0, 96, (5, 8), generator=torch.Generator().manual_seed(5))
@@ -432,8 +432,8 @@ def test_answers_with_features_match_a_teacher_forward_and_stop_after_eos() -> N
 def test_a_head_reading_tapped_layers_starts_as_the_plain_head_and_trains() -> None:
     """EAGLE-3's fused features: taps of earlier layers beside f_t; at the start the head ignores them (so a
     fused head begins where a plain one does), its targets stay f_{t+1}, and training uses them."""
-    from rasd.decoding.features import FinalNormTap
-    from rasd.train.eagle import head_loss
+    from rasd.decoding.model.features import FinalNormTap
+    from rasd.train.eagle_head import head_loss
 
     target = tiny_llama(0, vocab=96, init=0.02)
     seqs = own_text(target, 32)
@@ -490,7 +490,7 @@ def test_a_catch_up_after_a_long_past_attends_as_one_token_does() -> None:
     """A few tokens run on top of many cached ones (the head catching up after a verification) take an explicit
     mask, not the prefill's padded queries (past + T rows: 14 ms against 5 for one token at 600 cached), and give
     the same features as running them one at a time."""
-    from rasd.decoding.cache import GrowableLayer
+    from rasd.decoding.step.cache import GrowableLayer
 
     target = tiny_llama(0)
     head = random_head(target, 2)
@@ -524,8 +524,8 @@ def test_a_catch_up_after_a_long_past_attends_as_one_token_does() -> None:
 
 def test_rasd_refuses_a_head_file_it_would_not_draft_with(tmp_path: Path) -> None:
     """`eagle=PATH` with `head=off`: an error, not a head silently left unused."""
-    from rasd.decoding.engine import build_decoder
-    from rasd.decoding.model_loading import LoadedModel
+    from rasd.decoding.model.loading import LoadedModel
+    from rasd.decoding.runtime.engine import build_decoder
 
     target = tiny_llama(0)
     path = tmp_path / "head.safetensors"

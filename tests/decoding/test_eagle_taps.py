@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.eagle import EagleHead, head_taps, load_head, save_head
-from rasd.decoding.engine import SpeculativeDecoder
-from rasd.decoding.features import shared_tap
+from rasd.decoding.model.eagle_head import EagleHead, head_taps, load_head, save_head
+from rasd.decoding.model.features import shared_tap
+from rasd.decoding.model.static_step import StepConfig
 from rasd.decoding.proposers import make_proposer
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.static_step import StepConfig
+from rasd.decoding.step.batch_decoder import BatchDecoder
 from rasd.index.suffix_array import SuffixArray
-from rasd.train.eagle import extract_features, train_head
+from rasd.train.eagle_head import extract_features, train_head
 from tests.decoding.test_eagle import own_text
 from tests.helpers import assert_greedy_equal, fresh_tiny_llama, hf_greedy, random_prompt
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from rasd.cli import main
-from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.proposers.early_exit import (
     ThompsonLength,
@@ -23,9 +22,10 @@ from rasd.decoding.proposers.early_exit import (
     new_exit_layer,
     save_exit_layer,
 )
-from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer, ThompsonSizer
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
 from rasd.train.eesd import distill_loss, train_eesd
 from tests.helpers import TINY_VOCAB, assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
@@ -243,8 +243,8 @@ def test_draft_vocabulary_ranks_the_targets_expected_counts() -> None:
 
 def test_optree_and_rasd_draft_with_the_self_draft(tmp_path: Path) -> None:
     """`optree` without a draft model and `--draft-model eesd` use the target's early-exit draft, losslessly."""
-    from rasd.decoding.engine import build_decoder
-    from rasd.decoding.model_loading import LoadedModel, load_draft
+    from rasd.decoding.model.loading import LoadedModel, load_draft
+    from rasd.decoding.runtime.engine import build_decoder
 
     target = tiny_llama(2)
     loaded = LoadedModel(model=target, tokenizer=None, name="tiny", device="cpu", dtype="float32")
@@ -317,8 +317,8 @@ def test_eesd_hangs_runner_up_siblings_on_the_chain(tmp_path: Path) -> None:
 def test_adaeagle_with_the_self_draft_spec_uses_the_eesd_predictor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                    ) -> None:
     """`--draft-model eesd` must not make adaeagle look for a `draft-model` LDLP."""
-    from rasd.decoding.engine import build_decoder
-    from rasd.decoding.model_loading import LoadedModel, load_draft
+    from rasd.decoding.model.loading import LoadedModel, load_draft
+    from rasd.decoding.runtime.engine import build_decoder
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path))
     target = tiny_llama(0)

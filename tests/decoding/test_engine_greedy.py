@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from rasd.decoding.engine import GenerationOutput, SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
+from rasd.decoding.runtime.engine import GenerationOutput, SpeculativeDecoder
 from rasd.decoding.sizing.cost import CostCurve
 from rasd.decoding.sizing.sizers import AcceptanceEstimator, CostAwareSizer, FixedSizer
 from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
@@ -341,7 +341,7 @@ def sequential_path_prob(model: torch.nn.Module, context: list[int], path: list[
 def test_draft_tree_scores_are_sequential_path_probabilities() -> None:
     """Each draft node's score is the draft model's probability of its path, as decoding it sequentially
     would give: checks the draft's tree mask, positions and KV cache sync across requests' steps."""
-    from rasd.decoding.sampling import GREEDY
+    from rasd.decoding.step.sampling import GREEDY
 
     model = tiny_llama(2, init=0.3)
     proposer = make_proposer("draft", model, top_k=2, width=4, max_depth=4, min_prob=0.0)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rasd.decoding import fast_forward
-from rasd.decoding.cache import TreeCache, cache_kwargs
-from rasd.decoding.engine import SpeculativeDecoder
-from rasd.decoding.kernels import fast_kernels, install
+from rasd.decoding.model import fast_forward
+from rasd.decoding.model.kernels import fast_kernels, install
 from rasd.decoding.proposers import make_proposer
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import tree_inputs
+from rasd.decoding.runtime.engine import SpeculativeDecoder
+from rasd.decoding.step.cache import TreeCache, cache_kwargs
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import tree_inputs
 from tests.helpers import hf_greedy, random_prompt, tiny_llama
 
 
@@ -148,7 +148,7 @@ def test_engine_on_lean_path_equals_hf_generate(one_thread) -> None:
 
 def test_a_step_with_a_prompt_chunk_stacked_on_it_gives_both_their_own_results(one_thread) -> None:
     """`forward_mixed`: the rows' tree logits as a batched step alone, the chunk's as a plain prefill."""
-    from rasd.decoding.batch import BatchCache, batch_inputs
+    from rasd.decoding.step.batch_decoder import BatchCache, batch_inputs
 
     model = install(tiny_llama(0))
     rows = [random_prompt(n, seed) for n, seed in ((20, 1), (13, 2))]
@@ -187,7 +187,7 @@ def test_stacked_projections_follow_their_parts_and_leave_the_model_as_it_was(ma
 
     from ray import cloudpickle  # how Ray ships objects to actors
 
-    from rasd.decoding.kernels import QKV, prefill_products, projections
+    from rasd.decoding.model.kernels import QKV, prefill_products, projections
 
     model = getattr(make, "__wrapped__", make)(0)   # a fresh one: this test changes weights (`tiny_llama` is shared)
     keys = list(model.state_dict())
@@ -224,7 +224,7 @@ def test_stacked_projections_follow_their_parts_and_leave_the_model_as_it_was(ma
 
 def test_stacked_projections_leave_gradients_to_the_parts() -> None:
     """Training through the lean layer (fast kernels on, gradients on): each part gets its own gradient."""
-    from rasd.decoding.kernels import QKV, projections
+    from rasd.decoding.model.kernels import QKV, projections
 
     model = install(tiny_llama(0))
     attn = model.model.layers[0].self_attn

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from rasd.decoding.engine import SpeculativeDecoder
-from rasd.decoding.fusion import PruneConfig, branch_of, fuse, graft_within, merge_trees, prune
+from rasd.decoding.drafting.fusion import PruneConfig, branch_of, fuse, graft_within, merge_trees, prune
 from rasd.decoding.proposers import make_proposer
-from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.runtime.engine import SpeculativeDecoder
+from rasd.decoding.runtime.stats import DecodeStats
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.stats import DecodeStats
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
 from rasd.index.suffix_array import SuffixArray
 from tests.decoding.test_sampling_exact import (
     ALPHA,

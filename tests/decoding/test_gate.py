@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.gate import DRAFT, PLAIN, DraftGate
 from rasd.decoding.sizing.sizers import FixedSizer
 from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
@@ -184,8 +184,8 @@ def tiny_target(name: str):  # noqa: ANN201
 
 def test_gate_on_or_off_is_the_callers_choice() -> None:
     """`eagle:gate=on|off` in a benchmark: no bandit by default, one when asked; output is unchanged."""
-    from rasd.decoding.eagle import EagleHead
-    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.model.eagle_head import EagleHead
+    from rasd.decoding.runtime.engine import build_decoder
 
     target = tiny_target("tiny-gate-off")
     head = EagleHead(target.model).eval()
@@ -204,9 +204,9 @@ def test_a_head_that_is_never_right_skips_its_forwards_and_output_is_unchanged()
     """Where the sizer has learnt that the head's depth-1 node is never accepted, `root_pays` refuses the head's
     first forward: most steps run no head forward at all (a few are let through to be measured again), and the
     tokens are HF's."""
-    from rasd.decoding.eagle import EagleHead
-    from rasd.decoding.engine import build_decoder
-    from rasd.decoding.tree import DraftTree
+    from rasd.decoding.model.eagle_head import EagleHead
+    from rasd.decoding.runtime.engine import build_decoder
+    from rasd.decoding.step.tree import DraftTree
 
     target = tiny_target("tiny-root-guard")
     head = EagleHead(target.model).eval()

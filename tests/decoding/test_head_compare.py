@@ -39,7 +39,7 @@ def test_paired_difference_counts_where_one_head_is_right_and_the_other_wrong() 
 
 def test_two_trained_heads_compared_on_the_held_out_text_of_their_report(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path / "home"))
     data = conversations_file(tmp_path)

@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rasd.decoding.engine import SpeculativeDecoder, build_decoder
-from rasd.decoding.history import HistoryMatch, ResponseHistory
+from rasd.decoding.drafting.history import HistoryMatch, ResponseHistory
 from rasd.decoding.proposers import METHODS, make_proposer
 from rasd.decoding.proposers.suffix import HISTORY, SuffixProposer, weighted_tree
+from rasd.decoding.runtime.engine import SpeculativeDecoder, build_decoder
 from rasd.decoding.sizing.sizers import FixedSizer
 from tests.decoding.test_sampling_exact import PROMPT, SVOCAB, T1, TARGET, check_against_exact, exact_joint
 from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
@@ -295,7 +295,7 @@ def test_suffix_sampling_is_exact() -> None:
 def test_a_batch_shares_one_history_and_remembers_its_answers() -> None:
     """Two requests decoded in one batch, drafting from one history: the repeated question is drafted from it,
     both stay HF greedy, and both answers are remembered when they finish."""
-    from rasd.decoding.batch import BatchDecoder
+    from rasd.decoding.step.batch_decoder import BatchDecoder
 
     model, prompt, ref, history = repeated_question(0, 30)
     other = random_prompt(20, 90)
@@ -317,7 +317,7 @@ def test_a_batch_shares_one_history_and_remembers_its_answers() -> None:
 def test_rasd_with_a_drafter_drafts_only_from_long_history_matches() -> None:
     """Beside a drafter a 1-3 token history match is noise that took steps from it; 4 tokens or more stay."""
     from rasd.decoding.proposers.rasd import HISTORY_MIN_MATCH_WITH_DRAFT
-    from rasd.decoding.sampling import SamplingParams
+    from rasd.decoding.step.sampling import SamplingParams
     from tests.decoding.test_recycling import ChainDraft
 
     history = ResponseHistory(prompt_tail=0)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from rasd.cli import main
-from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.proposers.early_exit import new_exit_layer, save_exit_layer
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.ldlp import (
     LDLPController,
     LengthPredictor,
@@ -23,7 +23,7 @@ from rasd.decoding.sizing.ldlp import (
     weighted_l1,
 )
 from rasd.decoding.sizing.sizers import FixedSizer, make_sizer
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.tree import DraftTree
 from rasd.train.ldlp import train_ldlp
 from tests.decoding.test_eesd import prompt_file, tiny_model_dir  # noqa: F401  (fixture)
 from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
@@ -233,8 +233,8 @@ def test_head_labels_are_the_chains_the_head_drafts_in_decoding() -> None:
     """`rasd train ldlp --drafter eagle` labels a root with the matching prefix of the chain the head really
     drafts there (its own features past depth 1), not of the teacher-forced one-forward argmax."""
     from rasd.decoding.proposers.eagle import EagleProposer
-    from rasd.decoding.sampling import SamplingParams
-    from rasd.train.eagle import extract_features, head_chain_labels
+    from rasd.decoding.step.sampling import SamplingParams
+    from rasd.train.eagle_head import extract_features, head_chain_labels
     from tests.decoding.test_eagle import own_text, trained_head
 
     target, head, k_max = tiny_llama(0), trained_head(0), 4
@@ -258,8 +258,8 @@ def test_head_labels_are_the_chains_the_head_drafts_in_decoding() -> None:
 def test_train_ldlp_for_the_head_and_run_adaeagle_over_it(tiny_model_dir: Path, tmp_path: Path,  # noqa: F811
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """`rasd train ldlp --drafter eagle` end to end, then `adaeagle` (its default drafter is the head) runs."""
-    from rasd.decoding.eagle import EagleHead, save_head
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.eagle_head import EagleHead, save_head
+    from rasd.decoding.model.loading import load_model
 
     torch.manual_seed(0)
     head_file = tmp_path / "head.safetensors"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.engine import SpeculativeDecoder, token_logprobs
 from rasd.decoding.proposers import make_proposer
-from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.runtime.engine import SpeculativeDecoder, token_logprobs
 from rasd.decoding.sizing.sizers import FixedSizer
+from rasd.decoding.step.batch_decoder import BatchDecoder
+from rasd.decoding.step.sampling import SamplingParams
 from tests.helpers import random_prompt, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

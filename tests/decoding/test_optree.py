@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from rasd.decoding.engine import SpeculativeDecoder
-from rasd.decoding.optree import DEFAULT_DELTA, delta_from_times, grow_opt_tree
+from rasd.decoding.drafting.optree import DEFAULT_DELTA, delta_from_times, grow_opt_tree
 from rasd.decoding.proposers import DraftModelProposer, make_proposer
-from rasd.decoding.sampling import GREEDY
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import CostAwareSizer, FixedSizer
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.sampling import GREEDY
+from rasd.decoding.step.tree import DraftTree
 from tests.decoding.test_engine_greedy import flat_curve, prompt_of
 from tests.decoding.test_sampling_exact import (
     OTHER,

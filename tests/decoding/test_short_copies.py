@@ -3,13 +3,13 @@ offered only while they pay in this request, forgotten by the next; greedy outpu
 
 from __future__ import annotations
 
-from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.proposers.pld import NgramIndex
 from rasd.decoding.proposers.short_copies import ShortCopies, followed
-from rasd.decoding.sampling import SamplingParams
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
 from tests.helpers import hf_greedy, random_prompt, tiny_llama
 
 DRAFT = {"top_k": 2, "width": 4, "min_prob": 0.0}
@@ -107,7 +107,7 @@ def test_rasd_can_turn_the_copies_off_and_has_none_without_a_drafter() -> None:
 
 def test_the_drafters_accepted_nodes_where_nothing_was_copied_raise_the_bar_for_copies() -> None:
     """A drafter that has been adding two tokens a step keeps its steps from copies that add one."""
-    from rasd.decoding.verify import Verdict
+    from rasd.decoding.step.verify import Verdict
 
     model = tiny_llama(0)
     proposer = make_proposer("rasd", model, draft_options=DRAFT)

@@ -12,17 +12,17 @@ from typing import Any
 import pytest
 import torch
 
-from rasd.decoding import static_step
-from rasd.decoding.batch import BatchCache, BatchDecoder
-from rasd.decoding.cache import TreeCache, cache_kwargs
-from rasd.decoding.engine import GenerationStream, SpeculativeDecoder
+from rasd.decoding.model import static_step
+from rasd.decoding.model.static_step import StaticRows, StepConfig, bucket, shared_rows
 from rasd.decoding.proposers import RecyclingMatrix, make_proposer
-from rasd.decoding.sampling import GREEDY, SamplingParams
+from rasd.decoding.runtime.engine import GenerationStream, SpeculativeDecoder
 from rasd.decoding.sizing.cost import CURVE_VERSION, curve_key, measure_curve
 from rasd.decoding.sizing.sizers import FixedSizer
-from rasd.decoding.static_step import StaticRows, StepConfig, bucket, shared_rows
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import accept, batch_inputs, tree_forward, verify
+from rasd.decoding.step.batch_decoder import BatchCache, BatchDecoder
+from rasd.decoding.step.cache import TreeCache, cache_kwargs
+from rasd.decoding.step.sampling import GREEDY, SamplingParams
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import accept, batch_inputs, tree_forward, verify
 from rasd.index.suffix_array import SuffixArray
 from tests.helpers import TINY_VOCAB, assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 

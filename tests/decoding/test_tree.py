@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.tree import DraftTree
 
 
 def sample_tree() -> DraftTree:

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from rasd.decoding.cache import GrowableLayer, TreeCache, cache_kwargs
-from rasd.decoding.kernels import fast_kernels, install
-from rasd.decoding.sampling import GREEDY
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict, accept_greedy, tree_forward, tree_inputs, verify
+from rasd.decoding.model.kernels import fast_kernels, install
+from rasd.decoding.step.cache import GrowableLayer, TreeCache, cache_kwargs
+from rasd.decoding.step.sampling import GREEDY
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import Verdict, accept_greedy, tree_forward, tree_inputs, verify
 from tests.helpers import random_prompt, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -253,7 +253,7 @@ def test_fast_linear_returns_row_major_outputs() -> None:
 def test_a_weight_made_in_inference_mode_is_packed_and_multiplied(form: str, monkeypatch) -> None:
     """Inference tensors keep no version counter: packing one (a model built under `torch.inference_mode`, or
     its q/k/v stacked there on a first `install` inside a cost-curve measurement) raised a RuntimeError."""
-    from rasd.decoding import kernels
+    from rasd.decoding.model import kernels
 
     if not (kernels.packing_available() if form == "packed" else kernels.onednn_available()):
         pytest.skip(f"this torch has no {form} GEMM")
@@ -277,7 +277,7 @@ def test_packed_products_follow_weight_changes_and_leave_the_model_picklable(for
 
     from ray import cloudpickle  # how Ray ships objects to actors
 
-    from rasd.decoding import kernels
+    from rasd.decoding.model import kernels
 
     if not (kernels.packing_available() if form == "packed" else kernels.onednn_available()):
         pytest.skip(f"this torch has no {form} GEMM")
@@ -306,7 +306,7 @@ def test_packed_products_follow_weight_changes_and_leave_the_model_picklable(for
 def test_every_forced_form_computes_the_product_for_one_row_and_several(form: str, monkeypatch) -> None:
     """A plain step (one row) is tuned like the trees: each form gives F.linear's product (to float
     rounding), and the padded form, which exists for one and three rows, never serves other counts."""
-    from rasd.decoding import kernels
+    from rasd.decoding.model import kernels
 
     if form == "packed" and not kernels.packing_available():
         pytest.skip("this torch has no MKL packed GEMM")
@@ -330,7 +330,7 @@ def test_every_forced_form_computes_the_product_for_one_row_and_several(form: st
 def test_layer_products_are_timed_in_passes_over_the_whole_model() -> None:
     """Each pass runs one form over every module in model order (as a decoding step reads the weights, each
     once and cold), and a shape's time is its modules' sum, the least over the rounds."""
-    from rasd.decoding import kernels
+    from rasd.decoding.model import kernels
 
     modules = [torch.nn.Linear(24, 40), torch.nn.Linear(40, 24), torch.nn.Linear(24, 40)]
     inputs = {24: torch.zeros(1, 24), 40: torch.zeros(1, 40)}
@@ -353,7 +353,7 @@ def test_layer_products_are_timed_in_passes_over_the_whole_model() -> None:
 def test_a_weight_no_linear_owns_is_tuned_at_install_and_gives_f_linears_product() -> None:
     """An EAGLE head's rows of the LM head are multiplied outside an nn.Linear (`kernels.product`): `install` times
     their forms up front (none mid-decoding), and every form gives F.linear's product, for one row or several."""
-    from rasd.decoding import kernels
+    from rasd.decoding.model import kernels
 
     class WithBareWeight(torch.nn.Module):
         def __init__(self) -> None:
@@ -376,7 +376,7 @@ def test_half_precision_products_serve_only_a_model_that_allows_them(monkeypatch
     """`HALF` (a draft head's products from fp16 weights): forced, it serves a model whose `approximate_products`
     is true, to fp16 rounding, and follows its weight's updates; the target's modules never take it, even forced;
     and outside inference (training) the approximate model's products keep their gradients."""
-    from rasd.decoding import kernels
+    from rasd.decoding.model import kernels
 
     class Head(torch.nn.Module):
         approximate_products = True
@@ -421,7 +421,7 @@ def test_an_eagle_head_allows_half_products_and_its_target_does_not() -> None:
     """The flag sits on the head alone: its modules are its own, the target's layers (a self-draft's too) stay
     exact. The target is installed first, as the engine and the service do: the head's layer is then a deep copy
     of an installed layer, and must still get the flag."""
-    from rasd.decoding.eagle import EagleHead
+    from rasd.decoding.model.eagle_head import EagleHead
     from tests.helpers import fresh_tiny_llama
 
     target = install(fresh_tiny_llama(0))
@@ -433,7 +433,7 @@ def test_an_eagle_head_allows_half_products_and_its_target_does_not() -> None:
 
 def test_measured_forms_are_kept_for_the_machine_and_a_second_process_times_nothing(tmp_path, monkeypatch) -> None:
     """Each process that loads a model used to time every shape again (≈ 9 s); the next one now reads them."""
-    from rasd.decoding import kernels
+    from rasd.decoding.model import kernels
     from tests.helpers import fresh_tiny_llama
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path))
@@ -479,7 +479,7 @@ def test_forms_measured_on_a_busy_machine_are_measured_again(tmp_path, monkeypat
     """Forms tuned while another process held the cores (a training job) were kept for the machine for ever:
     a 4-token verification stayed 7% dearer than with the forms a quiet machine picks. Each form now carries the
     machine probe of its measurement, and one whose probe ran clearly slower than the probe now is re-timed."""
-    from rasd.decoding import kernels
+    from rasd.decoding.model import kernels
     from tests.helpers import fresh_tiny_llama
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path))
@@ -516,7 +516,7 @@ def test_forms_measured_on_a_busy_machine_are_measured_again(tmp_path, monkeypat
 
 def test_a_choices_file_of_an_older_layout_is_not_trusted(tmp_path, monkeypatch) -> None:
     """Rows without the probe (or malformed) are measured again rather than read."""
-    from rasd.decoding import kernels
+    from rasd.decoding.model import kernels
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path))
     monkeypatch.setenv("RASD_LINEAR", "auto")
@@ -534,7 +534,7 @@ def test_a_choices_file_of_an_older_layout_is_not_trusted(tmp_path, monkeypatch)
 def test_one_form_for_every_shape_where_a_whole_pass_of_it_beats_the_per_shape_mix(monkeypatch) -> None:
     """A form's speed depends on its neighbours: the per-shape choice is kept only when no uniform pass is 3%
     faster than the mix as a whole."""
-    from rasd.decoding import kernels
+    from rasd.decoding.model import kernels
 
     chosen = {(8, 4): "packed", (4, 8): "stock"}
     forms = {"stock": None, "packed": None}

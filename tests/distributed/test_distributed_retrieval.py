@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
 from rasd.distributed.retrieval import ShardedIndex, assign_segments
 from rasd.index import Index

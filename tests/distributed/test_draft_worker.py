@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from rasd.decoding.engine import GenerationOutput, SpeculativeDecoder
 from rasd.decoding.proposers import DraftModelProposer, RasdProposer
-from rasd.decoding.sampling import GREEDY
+from rasd.decoding.runtime.engine import GenerationOutput, SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
+from rasd.decoding.step.sampling import GREEDY
 from rasd.distributed.draft_worker import DraftPool, DraftWorker, RemoteDraft, load_draft_model
 from rasd.index.suffix_array import SuffixArray
 from tests.helpers import TINY_VOCAB, assert_greedy_equal, fresh_tiny_llama, hf_greedy, random_prompt, tiny_llama
@@ -451,7 +451,7 @@ def test_a_head_in_draft_workers_decodes_like_the_local_head(ray_local: None, fu
     """`rasd` drafting with the EAGLE head in a worker (the target's features travel with each call) runs
     the same steps as with the head in-process, and equals HF greedy; a fused head (EAGLE-3) is sent the
     tapped layers' features too."""
-    from rasd.decoding.eagle import EagleHead
+    from rasd.decoding.model.eagle_head import EagleHead
     from rasd.decoding.proposers.eagle import EagleProposer
     from tests.decoding.test_eagle import trained_head
     from tests.decoding.test_eagle_taps import TAPS, fused_head

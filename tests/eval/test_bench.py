@@ -24,7 +24,7 @@ from rasd.text import as_id_list, encode_prompt
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 SPEC_BENCH = DATA / "spec_bench" / "question.jsonl"
 LONGBENCH = DATA / "longbench" / "longbench_dev.jsonl"
-HAS_ENGINE = importlib.util.find_spec("rasd.decoding.engine") is not None
+HAS_ENGINE = importlib.util.find_spec("rasd.decoding.runtime.engine") is not None
 NO_DATA = "../shared/data is not on this machine"
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -77,7 +77,7 @@ def tiny_target(tiny_tokenizer):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rasd.decoding.model_loading import LoadedModel
+    from rasd.decoding.model.loading import LoadedModel
 
     tok = tiny_tokenizer
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -377,7 +377,7 @@ def test_end_to_end_hf_baselines_on_a_tiny_llama(tiny_target, tmp_path):
     assert all(len(r["token_ids"]) == r["new_tokens"] == r["choices"][0]["new_tokens"][0] for r in rows)
 
 
-@pytest.mark.skipif(not HAS_ENGINE, reason="rasd.decoding.engine not written yet")
+@pytest.mark.skipif(not HAS_ENGINE, reason="rasd.decoding.runtime.engine not written yet")
 def test_end_to_end_engine_methods_match_hf_greedy(tiny_target, tmp_path):
     prompts = _e2e_prompts(tiny_target.tokenizer)
     config = BenchConfig(["ar", "hf", "pld"], max_new_tokens=16, progress=False)
@@ -393,7 +393,7 @@ def test_end_to_end_engine_methods_match_hf_greedy(tiny_target, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_ENGINE, reason="rasd.decoding.engine not written yet")
+@pytest.mark.skipif(not HAS_ENGINE, reason="rasd.decoding.runtime.engine not written yet")
 @pytest.mark.skipif(not SPEC_BENCH.exists(), reason=f"{SPEC_BENCH} absent ({NO_DATA})")
 def test_cli_on_the_embedded_model_and_spec_bench(tmp_path, capsys):
     out, plot, answers = tmp_path / "results.json", tmp_path / "results.png", tmp_path / "answers.jsonl"

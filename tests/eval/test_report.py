@@ -214,9 +214,9 @@ def test_bench_accepts_report_next_to_out_and_plot():
     assert (args.out, args.plot, args.report) == ("r.json", "r.png", "rep")
 
 
-@pytest.mark.skipif(not test_bench.HAS_ENGINE, reason="rasd.decoding.engine not written yet")
+@pytest.mark.skipif(not test_bench.HAS_ENGINE, reason="rasd.decoding.runtime.engine not written yet")
 def test_bench_report_end_to_end_on_a_tiny_llama(tiny_target, tmp_path, monkeypatch, one_thread):
-    import rasd.decoding.model_loading as models
+    import rasd.decoding.model.loading as models
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(models, "load_model", lambda *a, **k: tiny_target)

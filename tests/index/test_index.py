@@ -433,7 +433,7 @@ def test_tokenizing_equals_the_tokenizer_call_and_converts_where_asked(name: str
 
 def test_default_tokenizer_end_to_end(tmp_path: Path) -> None:
     """The real SmolLM2 tokenizer: datastore tokens equal the model's own tokenization, and its folder matches."""
-    from rasd.decoding.model_loading import default_model_path
+    from rasd.decoding.model.loading import default_model_path
 
     docs = topic_documents(2)
     index = build_index(docs, tmp_path / "i")                       # model="default"

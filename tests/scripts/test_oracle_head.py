@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rasd.decoding.engine import SpeculativeDecoder
 from rasd.decoding.proposers import make_proposer
+from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
 from tests.decoding.test_eagle import random_head
 from tests.helpers import assert_greedy_equal, hf_greedy, load_script, random_prompt, tiny_llama

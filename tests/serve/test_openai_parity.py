@@ -23,15 +23,15 @@ QUESTION = "List four things a river does to the land around it, one per line."
 
 @pytest.fixture(scope="module")
 def target(service: dict[str, Any]) -> Any:
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
 
     return load_model("default")
 
 
 def in_process(target: Any, messages: list[dict[str, str]], max_new: int, method: str = "ar",
                logprobs: int | None = None, **sampling: Any) -> Any:
-    from rasd.decoding.engine import build_decoder
-    from rasd.decoding.sampling import SamplingParams
+    from rasd.decoding.runtime.engine import build_decoder
+    from rasd.decoding.step.sampling import SamplingParams
     from rasd.text import encode_chat
 
     ids = encode_chat(target.tokenizer, messages)

@@ -157,8 +157,8 @@ def test_a_chats_next_turn_and_a_repeated_question_stay_on_their_replica(replica
 
 
 def test_every_replica_answers_like_the_in_process_engine(replicas: dict[str, Any]) -> None:
-    from rasd.decoding.engine import build_decoder
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
+    from rasd.decoding.runtime.engine import build_decoder
 
     target = load_model("default")
     for method in ("pld", "rasd"):

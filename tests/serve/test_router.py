@@ -9,7 +9,7 @@ import contextlib
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rasd.decoding.stats import DecodeStats
+from rasd.decoding.runtime.stats import DecodeStats
 from rasd.serve.metrics import ServiceMetrics, merge_metrics, router_metrics
 from rasd.serve.router import PrefixTable, RouterState, choose, prefix_keys
 

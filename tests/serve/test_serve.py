@@ -27,14 +27,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def local(service: dict[str, Any]) -> Any:
     """The in-process reference: same model, same index."""
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
     from rasd.index.store import Index
 
     return load_model("default"), Index.open(service["index"])
 
 
 def reference_completion(target: Any, prompt: str, max_new: int, method: str = "ar") -> str:
-    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.runtime.engine import build_decoder
 
     ids = target.tokenizer(prompt)["input_ids"]
     out = build_decoder(target, method).generate(ids, max_new, eos_token_ids=target.eos_token_ids)
@@ -175,7 +175,7 @@ def test_a_chats_next_turn_reuses_the_previous_prompt(service: dict[str, Any], l
     assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= whole_blocks > 0
     ids = target.tokenizer.apply_chat_template(second, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    from rasd.decoding.engine import build_decoder
+    from rasd.decoding.runtime.engine import build_decoder
 
     ref = build_decoder(target, "ar").generate(list(ids), 16, eos_token_ids=target.eos_token_ids)
     assert r2["choices"][0]["message"]["content"] == (ref.text or "")

@@ -219,7 +219,7 @@ def test_documents_pasted_and_uploaded_are_added(page: Any, service: dict[str, A
 
 def test_sourced_text_pieces_add_up_to_the_streamed_text() -> None:
     """Held-back text (stop strings, split multi-byte characters) still comes out whole, each character once."""
-    from rasd.decoding.model_loading import load_model
+    from rasd.decoding.model.loading import load_model
     from rasd.serve.web import static_file
     from rasd.text import SourcedText
 

@@ -6,9 +6,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from rasd.decoding.sampling import SamplingParams
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import Verdict
 
 
 @runtime_checkable

@@ -10,7 +10,7 @@ more draft forward is worth its time only while the node it adds is at least tha
 With sampling (temperature > 0) the draft is a chain sampled from the draft's warped distribution q, and q
 is attached to each node so the verifier can apply the exact SpecInfer residual rule.
 
-`shape="optree"` (method `optree`) grows the OPT-Tree instead (`rasd.decoding.optree`): the tree of n nodes
+`shape="optree"` (method `optree`) grows the OPT-Tree instead (`rasd.decoding.drafting.optree`): the tree of n nodes
 (n = the sizer's budget) with the largest expected acceptance length, deepened while the gain exceeds δ.
 Its nodes are deterministic top-n candidates, in greedy and in sampling mode alike (no q attached): the
 verifier accepts such a candidate x with probability p(x) and zeroes it on rejection, which is exact.
@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from rasd.decoding import fast_forward
-from rasd.decoding.cache import TreeCache
-from rasd.decoding.optree import DEFAULT_MAX_DEPTH, delta_from_times, grow_opt_tree
-from rasd.decoding.sampling import GREEDY, SamplingParams, target_probs
+from rasd.decoding.drafting.optree import DEFAULT_MAX_DEPTH, delta_from_times, grow_opt_tree
+from rasd.decoding.model import fast_forward
 from rasd.decoding.sizing.gate import DraftGate
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict
+from rasd.decoding.step.cache import TreeCache
+from rasd.decoding.step.sampling import GREEDY, SamplingParams, target_probs
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import Verdict
 
 SOURCE = "draft"
 SHAPES = ("topk", "optree")

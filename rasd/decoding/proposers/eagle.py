@@ -1,4 +1,4 @@
-"""`eagle`: EAGLE-2 trees from the target's feature-level draft head (`rasd.decoding.eagle`).
+"""`eagle`: EAGLE-2 trees from the target's feature-level draft head (`rasd.decoding.model.eagle_head`).
 
 The head's cache follows the committed context like a draft model's (`DraftModelProposer`), with one
 difference: the input at position t is (f_{t-1}, x_t), the target's feature of the previous position and the
@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from rasd.decoding.cache import GrowableLayer
-from rasd.decoding.eagle import EagleHead
+from rasd.decoding.model.eagle_head import EagleHead
 from rasd.decoding.proposers.draft import DEFAULT_WINDOW, DraftModelProposer
-from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.sizing.gate import DraftGate
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.cache import GrowableLayer
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
 
 SOURCE = "eagle"
 

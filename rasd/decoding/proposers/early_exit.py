@@ -34,11 +34,11 @@ from torch import nn
 from rasd import paths
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.eagle import EagleProposer
-from rasd.decoding.sampling import SamplingParams, target_probs
 from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.sizing.sizers import ThompsonSizer
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict
+from rasd.decoding.step.sampling import SamplingParams, target_probs
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import Verdict
 
 FORMAT = "rasd-eesd-1"
 
@@ -278,7 +278,7 @@ def make_adaeagle(target: nn.Module, draft_model: nn.Module | None = None, eesd:
     drafter = drafter or ("draft-model" if draft_model is not None else "eagle")
     controller = load_controller(target, ldlp, model_name, drafter)
     if drafter == "eagle":
-        from rasd.decoding.eagle import shared_head
+        from rasd.decoding.model.eagle_head import shared_head
 
         head = head if head is not None else shared_head(target, eagle, model_name)
         return HeadLengthProposer(head, controller, "adaeagle", seed=seed, gate=gate)

@@ -12,9 +12,9 @@ from collections import defaultdict
 
 import torch
 
-from rasd.decoding.sampling import SamplingParams
-from rasd.decoding.tree import ROOT, DraftTree
-from rasd.decoding.verify import Verdict
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import ROOT, DraftTree
+from rasd.decoding.step.verify import Verdict
 
 SOURCE = "context"
 

@@ -37,17 +37,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rasd.decoding.fusion import ProbsFn, PruneConfig, fuse, merge_trees, prune
+from rasd.decoding.drafting.fusion import ProbsFn, PruneConfig, fuse, merge_trees, prune
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.recycling import SOURCE as RECYCLED
 from rasd.decoding.proposers.recycling import RecyclingMatrix, RecyclingProposer
 from rasd.decoding.proposers.retrieval import CONTEXT, DATASTORE, DOCUMENTS, RetrievalProposer, match_class
 from rasd.decoding.proposers.short_copies import ShortCopies
 from rasd.decoding.proposers.suffix import HISTORY, SuffixProposer
-from rasd.decoding.sampling import SamplingParams
 from rasd.decoding.sizing.gate import DraftGate
-from rasd.decoding.tree import GRAMMAR, ROOT, DraftTree
-from rasd.decoding.verify import Verdict
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import GRAMMAR, ROOT, DraftTree
+from rasd.decoding.step.verify import Verdict
 
 # The shortest match of the request's own text that `rasd` copies from when it has a drafter (without one: 1, as
 # `pld`). Why: a one-token match offers a bush of continuations that are rarely right, and it takes the step from
@@ -66,7 +66,7 @@ HISTORY_MIN_MATCH_WITH_DRAFT = 4
 FREE_SOURCES = frozenset({ROOT, CONTEXT, DATASTORE, DOCUMENTS, HISTORY, RECYCLED, GRAMMAR})
 
 if TYPE_CHECKING:   # the index package may pull in heavy deps (FAISS); import it lazily
-    from rasd.decoding.history import ResponseHistory
+    from rasd.decoding.drafting.history import ResponseHistory
     from rasd.index.suffix_array import SuffixArray
 
 

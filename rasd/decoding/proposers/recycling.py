@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from rasd import paths
-from rasd.decoding.sampling import SamplingParams
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import Verdict
 from rasd.fsio import atomic_file
 
 SOURCE = "recycling"

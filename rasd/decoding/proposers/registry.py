@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rasd.decoding.model_loading import is_self_draft
+from rasd.decoding.model.loading import is_self_draft
 from rasd.decoding.proposers.ar import NoDraftProposer
 from rasd.decoding.proposers.base import Proposer
 from rasd.decoding.proposers.draft import DraftModelProposer
@@ -117,7 +117,7 @@ class MethodSpec:
         if self.uses_index and has_index is False:
             raise ValueError(f"method {self.name!r} drafts from an index; start the service with --index")
         if self.uses_head(draft_model):
-            from rasd.decoding.eagle import head_path
+            from rasd.decoding.model.eagle_head import head_path
 
             file = Path(eagle) if eagle else head_path(model)
             if not file.exists():
@@ -184,7 +184,7 @@ def _build_adaeagle(inputs: ProposerInputs) -> Proposer:
 
 def _build_eagle(inputs: ProposerInputs) -> Proposer:
     """The target's EAGLE head (`eagle=` a file, else the trained or shipped one for `model_name`)."""
-    from rasd.decoding.eagle import shared_head
+    from rasd.decoding.model.eagle_head import shared_head
     from rasd.decoding.proposers.eagle import EagleProposer
 
     options = dict(inputs.options)
@@ -208,7 +208,7 @@ RASD_HEAD_DEFAULT = "auto"
 def rasd_head_by_default(model_name: str) -> bool:
     """Whether `rasd` without a draft model drafts with `model_name`'s EAGLE head (draft workers load what this
     says too: `rasd.distributed.draft_worker.worker_spec`)."""
-    from rasd.decoding.eagle import head_path
+    from rasd.decoding.model.eagle_head import head_path
 
     return RASD_HEAD_DEFAULT == "auto" and head_path(model_name).exists()
 
@@ -240,7 +240,7 @@ def _configure_rasd(setup: DecoderSetup) -> None:
 def _target_head(setup: DecoderSetup, path: str | None = None, **options: Any) -> Proposer | None:
     """The EAGLE head at `path` as a draft (missing: an error), else the target's own (trained here or
     shipped), or None when it has none."""
-    from rasd.decoding.eagle import head_path, shared_head
+    from rasd.decoding.model.eagle_head import head_path, shared_head
     from rasd.decoding.proposers.eagle import EagleProposer
 
     if path is None and not head_path(setup.target.name).exists():
@@ -250,8 +250,8 @@ def _target_head(setup: DecoderSetup, path: str | None = None, **options: Any) -
 
 def _configure_optree(setup: DecoderSetup) -> None:
     """δ from the measured plain step and a node cap from the curve; without a draft model, the self-draft."""
-    from rasd.decoding.model_loading import SELF_DRAFT as SELF_DRAFT_SPEC
-    from rasd.decoding.model_loading import load_draft
+    from rasd.decoding.model.loading import SELF_DRAFT as SELF_DRAFT_SPEC
+    from rasd.decoding.model.loading import load_draft
     from rasd.decoding.sizing.cost import flat_nodes
 
     options, curve_for = setup.options, setup.curve_for

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rasd.decoding.fusion import merge_trees
+from rasd.decoding.drafting.fusion import merge_trees
 from rasd.decoding.proposers.pld import PromptLookupProposer, counted_trie
-from rasd.decoding.sampling import SamplingParams
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import Verdict
 
 if TYPE_CHECKING:   # the index package may pull in heavy deps (FAISS); import it lazily
     from rasd.index.suffix_array import SuffixArray

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rasd.decoding.proposers.pld import NgramIndex, counted_trie
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.tree import DraftTree
 
 PENDING_CAP = 64   # tries waiting for their text; each resolves within `max_len` tokens, so this never binds
 

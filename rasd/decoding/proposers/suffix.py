@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from rasd.decoding.fusion import merge_trees
-from rasd.decoding.history import HistoryMatch, ResponseHistory
+from rasd.decoding.drafting.fusion import merge_trees
+from rasd.decoding.drafting.history import HistoryMatch, ResponseHistory
 from rasd.decoding.proposers.pld import PromptLookupProposer, count_trie
 from rasd.decoding.proposers.retrieval import match_class
-from rasd.decoding.sampling import SamplingParams
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Verdict
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import Verdict
 
 HISTORY = "history"
 

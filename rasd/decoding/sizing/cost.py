@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from rasd.decoding.cache import TreeCache, cache_kwargs
-from rasd.decoding.kernels import fast_kernels, install
-from rasd.decoding.probe import machine_probe, was_busy
-from rasd.decoding.static_step import StaticRows, StepConfig
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import tree_forward
+from rasd.decoding.model.kernels import fast_kernels, install
+from rasd.decoding.model.probe import machine_probe, was_busy
+from rasd.decoding.model.static_step import StaticRows, StepConfig
+from rasd.decoding.step.cache import TreeCache, cache_kwargs
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import tree_forward
 from rasd.fsio import atomic_file
 from rasd.paths import cost_dir
 

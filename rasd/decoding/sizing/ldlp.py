@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from rasd import paths
-from rasd.decoding.features import FinalNormTap, final_norm, shared_tap  # noqa: F401 - re-exported
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.model.features import FinalNormTap, final_norm, shared_tap  # noqa: F401 - re-exported
+from rasd.decoding.step.tree import DraftTree
 
 LOG_THRESHOLD = -0.6
 FORMAT = "rasd-ldlp-1"
@@ -198,7 +198,7 @@ def ldlp_path(model_name: str, drafter: str) -> Path:
 
 def shipped_ldlp_path(model_name: str, drafter: str) -> Path:
     """The LDLP shipped in the package for an embedded model's drafter: `heads/<model>--<drafter>-ldlp.safetensors`."""
-    from rasd.decoding.eagle import shipped_path
+    from rasd.decoding.model.eagle_head import shipped_path
 
     head = shipped_path(model_name)
     return head.with_name(f"{head.stem}--{paths.slug(drafter)}-ldlp.safetensors")

@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 from rasd.decoding.sizing.cost import CostCurve
 from rasd.decoding.sizing.gate import DraftGate
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.tree import DraftTree
 
 Key = tuple[str, int, int, int, int]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rasd.decoding.cache import TreeCache
+from rasd.decoding.step.cache import TreeCache
 
 BlockKey = tuple[int, tuple[int, ...]]   # (parent block id, this block's tokens); parent id 0 = the prompt start
 

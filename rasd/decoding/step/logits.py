@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from rasd.decoding.sampling import SamplingParams
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
 
 
 class LogitsProcessors:
@@ -77,7 +77,7 @@ class LogitsProcessors:
 
     def _grammar_mask(self, vocab: int) -> Any:
         if self._grammar is None:
-            from rasd.decoding.grammar import GrammarMask
+            from rasd.decoding.step.grammar import GrammarMask
 
             self._grammar = GrammarMask(self.params.grammar, self._tokenizer, vocab)
         return self._grammar

@@ -25,17 +25,17 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
-from rasd.decoding import fast_forward
-from rasd.decoding.cache import MIN_CAPACITY, GrowableLayer, TreeCache, drop_rows
-from rasd.decoding.engine import GenerationStream
-from rasd.decoding.features import row_features
-from rasd.decoding.kernels import fast_kernels, prefill_products
-from rasd.decoding.prefix_cache import PrefixCache
-from rasd.decoding.sizing.batch import BatchSizer
+from rasd.decoding.model import fast_forward
+from rasd.decoding.model.features import row_features
+from rasd.decoding.model.kernels import fast_kernels, prefill_products
+from rasd.decoding.model.static_step import StaticRows, StepConfig
+from rasd.decoding.runtime.engine import GenerationStream
+from rasd.decoding.runtime.prefix_cache import PrefixCache
+from rasd.decoding.sizing.batch_width import BatchSizer
 from rasd.decoding.sizing.cost import CostCurve
-from rasd.decoding.static_step import StaticRows, StepConfig
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import accept, batch_inputs
+from rasd.decoding.step.cache import MIN_CAPACITY, GrowableLayer, TreeCache, drop_rows
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import accept, batch_inputs
 
 
 class SlotLayer(GrowableLayer):

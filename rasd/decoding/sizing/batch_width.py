@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from rasd.decoding.sizing.cost import CostCurve
 from rasd.decoding.sizing.sizers import Sizer, rank_nodes
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.tree import DraftTree
 
 
 @dataclass

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from rasd.decoding.batch import BatchDecoder
-from rasd.decoding.compute import ComputeThread
-from rasd.decoding.engine import GenerationOutput, GenerationStream
-from rasd.decoding.prefix_cache import PrefixCache
-from rasd.decoding.static_step import StepConfig
+from rasd.decoding.model.static_step import StepConfig
+from rasd.decoding.runtime.compute import ComputeThread
+from rasd.decoding.runtime.engine import GenerationOutput, GenerationStream
+from rasd.decoding.runtime.prefix_cache import PrefixCache
+from rasd.decoding.step.batch_decoder import BatchDecoder
 
 log = logging.getLogger(__name__)
 STALL_S = 30.0   # busy with no finished step for this long: unhealthy

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rasd.decoding.static_step import StepConfig
+from rasd.decoding.model.static_step import StepConfig
 from rasd.paths import (  # noqa: F401  (rasd_home, slug and the default model's names: re-exported)
     DEFAULT_MODEL,
     DEFAULT_MODEL_DIRNAME,

@@ -34,13 +34,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rasd.decoding import fast_forward
-from rasd.decoding.cache import TreeCache, drop_rows
-from rasd.decoding.features import layer_keepers, norm_tap
-from rasd.decoding.kernels import QKV, projections
-from rasd.decoding.sampling import SamplingParams
-from rasd.decoding.tree import DraftTree
-from rasd.decoding.verify import Process, Verdict, accept
+from rasd.decoding.model import fast_forward
+from rasd.decoding.model.features import layer_keepers, norm_tap
+from rasd.decoding.model.kernels import QKV, projections
+from rasd.decoding.step.cache import TreeCache, drop_rows
+from rasd.decoding.step.sampling import SamplingParams
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import Process, Verdict, accept
 
 MIN_KEYS = 256          # smallest key bucket (and initial capacity)
 MAX_GRAPHS = 96         # graphs kept per store; shapes beyond run eagerly

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rasd.decoding import fast_forward
-from rasd.decoding.cache import TreeCache
-from rasd.decoding.sampling import SamplingParams, sample, target_probs
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.model import fast_forward
+from rasd.decoding.step.cache import TreeCache
+from rasd.decoding.step.sampling import SamplingParams, sample, target_probs
+from rasd.decoding.step.tree import DraftTree
 
 # a request's logits processors: (tree, logits [T, vocab]) -> processed logits [T, vocab] (`decoding.logits`)
 Process = Callable[[DraftTree, torch.Tensor], torch.Tensor]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.tree import DraftTree
 
 JSON_DEFAULTS = {"whitespace_flexible": False}   # compact JSON: a small model's whitespace cannot run away
 

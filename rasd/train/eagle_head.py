@@ -1,4 +1,4 @@
-"""`rasd train eagle`: train the target's EAGLE head (`rasd.decoding.eagle`) on the target's own features.
+"""`rasd train eagle`: train the target's EAGLE head (`rasd.decoding.model.eagle_head`) on the target's own features.
 
 Data (EAGLE-1/2's recipe): real chat conversations as they are (`builtin`: ShareGPT from ../shared/data, else
 requests about CPython's language reference), one teacher forward of the target per batch, which gives at
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from rasd.decoding import fast_forward
-from rasd.decoding.eagle import EagleHead, save_head
-from rasd.decoding.features import FinalNormTap, final_norm
+from rasd.decoding.model import fast_forward
+from rasd.decoding.model.eagle_head import EagleHead, save_head
+from rasd.decoding.model.features import FinalNormTap, final_norm
 from rasd.train.common import check_numbers, greedy_continuations, model_fingerprint, write_json
 
 DEPTHS = 4
@@ -144,7 +144,7 @@ def _check_samples(samples: int, temperature: float) -> None:
 
 def _generation_copy(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     """The model itself, or a copy of it in `dtype` (the target is left as it is: held-out data uses it)."""
-    from rasd.decoding.model_loading import resolve_dtype
+    from rasd.decoding.model.loading import resolve_dtype
 
     wanted = resolve_dtype(dtype)
     if wanted == next(model.parameters()).dtype:
@@ -453,7 +453,7 @@ def chain_top_tokens(head: EagleHead, seq: torch.Tensor, feats: torch.Tensor, ro
     As decoding drafts: the head's cache holds the true context (f_{t-1}, x_t) for t <= r, a chain node reads
     its parent's predicted feature and attends to the context up to its root and to its own chain, never to
     another root's. seq [K, T]; feats [K, T, H] the target's final-norm features; roots < T - depths."""
-    from rasd.decoding.cache import GrowableLayer
+    from rasd.decoding.step.cache import GrowableLayer
 
     k, t = seq.shape
     kv = GrowableLayer()
@@ -667,7 +667,7 @@ def _turns(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rasd.decoding.model_loading import ModelLoadError, load_model
+    from rasd.decoding.model.loading import ModelLoadError, load_model
     from rasd.errors import CliError
     from rasd.paths import eagle_path, rasd_home, slug
     from rasd.train.common import generation_cache
@@ -803,7 +803,7 @@ def _start_head(target: torch.nn.Module, vocab: torch.Tensor | None, init: Path 
     `taps` and a plain `init`, the fused head starts as `init` exactly (the tapped layers weigh zero)."""
     if init is None:
         return EagleHead(target, vocab, taps=taps)
-    from rasd.decoding.eagle import load_head
+    from rasd.decoding.model.eagle_head import load_head
 
     start = load_head(target, init).float()
     if start.taps == taps:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rasd import paths
-from rasd.decoding import fast_forward, kernels
+from rasd.decoding.model import fast_forward, kernels
 
 FORMAT = "rasd-eagle-1"
 VOCAB_KEY = "draft_vocab"

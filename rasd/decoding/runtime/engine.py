@@ -14,22 +14,22 @@ from typing import Any
 
 import torch
 
-from rasd.decoding import fast_forward
-from rasd.decoding.cache import TreeCache, cache_kwargs
-from rasd.decoding.features import row_features, shared_tap
-from rasd.decoding.history import ResponseHistory
-from rasd.decoding.kernels import fast_kernels, install, prefill_products
-from rasd.decoding.logits import LogitsProcessors
+from rasd.decoding.drafting.history import ResponseHistory
+from rasd.decoding.model import fast_forward
+from rasd.decoding.model.features import row_features, shared_tap
+from rasd.decoding.model.kernels import fast_kernels, install, prefill_products
+from rasd.decoding.model.static_step import StaticRows, StepConfig, shared_rows
 from rasd.decoding.proposers import Proposer, RecyclingMatrix
 from rasd.decoding.proposers.registry import METHODS, DecoderSetup, make_proposer, method_spec
-from rasd.decoding.sampling import GREEDY, SamplingParams, next_token
+from rasd.decoding.runtime.stats import DecodeStats
 from rasd.decoding.sizing.cost import context_bucket, load_or_measure
 from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.sizing.sizers import CostAwareSizer, FixedSizer, Sizer, make_sizer
-from rasd.decoding.static_step import StaticRows, StepConfig, shared_rows
-from rasd.decoding.stats import DecodeStats
-from rasd.decoding.tree import GRAMMAR, DraftTree
-from rasd.decoding.verify import Process, Verdict, verify
+from rasd.decoding.step.cache import TreeCache, cache_kwargs
+from rasd.decoding.step.logits import LogitsProcessors
+from rasd.decoding.step.sampling import GREEDY, SamplingParams, next_token
+from rasd.decoding.step.tree import GRAMMAR, DraftTree
+from rasd.decoding.step.verify import Process, Verdict, verify
 
 # a verification step for one request: (tree, sampling, generator, processors) -> (verdict, logits [T, vocab])
 VerifyStep = Callable[[DraftTree, SamplingParams, "torch.Generator | None", "Process | None"],

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.tree import DraftTree
 
 ProbsFn = Callable[[list[int]], torch.Tensor | None]   # context -> next-token probabilities [vocab]
 

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rasd.decoding.cache import TreeCache, cache_kwargs
-from rasd.decoding.features import layer_keepers
-from rasd.decoding.kernels import GATE_UP, QKV, fast_enabled, projections
+from rasd.decoding.model.features import layer_keepers
+from rasd.decoding.model.kernels import GATE_UP, QKV, fast_enabled, projections
+from rasd.decoding.step.cache import TreeCache, cache_kwargs
 
 # Architectures whose decoder layer is exactly: pre-norm attention (q/k/v/o Linear, rotary, GQA) + pre-norm
 # gated SiLU MLP, RMSNorm in float32 — what `_layer` below computes.

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from rasd.decoding.probe import machine_probe, was_busy
+from rasd.decoding.model.probe import machine_probe, was_busy
 from rasd.fsio import write_json_atomic
 from rasd.paths import kernel_choices_path
 

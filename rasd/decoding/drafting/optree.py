@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rasd.decoding.tree import DraftTree
+from rasd.decoding.step.tree import DraftTree
 
 DEFAULT_DELTA = 0.5
 DEFAULT_MAX_DEPTH = 10

@@ -1,0 +1,3 @@
+"""Request state around the step: the single-request engine, the continuous-batching scheduler, the compute
+thread, the prefix cache, statistics.
+"""
