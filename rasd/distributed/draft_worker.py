@@ -35,7 +35,7 @@ import torch
 from rasd.decoding.model.eagle_head import EagleHead, head_path, head_taps
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.eagle import EagleProposer
-from rasd.decoding.sizing.sizers import GrowRule
+from rasd.decoding.sizing.grow import GrowRule
 from rasd.decoding.step.sampling import GREEDY, SamplingParams
 from rasd.decoding.step.tree import DraftTree
 from rasd.decoding.step.verify import Verdict

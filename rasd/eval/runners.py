@@ -258,8 +258,6 @@ class EngineRunner:
         method, options = method_variant(name)
         self.decoder = build_decoder(target, method, draft=draft, **options)
         self.curves: dict[str, Any] = {}       # cost curves the sizer used, by key (for the report)
-        self.tree_depths: list[int] = []
-        _record_tree_depths(self.decoder, self.tree_depths)
 
     def after_warmup(self) -> None:
         """Forget the warm-up's answer: a response history would draft the first prompt from it."""
@@ -299,7 +297,6 @@ class EngineRunner:
 
         params = SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                 top_k=self.sampling.top_k, seed=seed)
-        self.tree_depths.clear()
         _sync(self.target.device)
         start = time.perf_counter()
         out = self.decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, sampling=params,
@@ -316,26 +313,8 @@ class EngineRunner:
                          accept_lengths=list(stats.accept_lengths),
                          accepted_by_source=dict(stats.accepted_by_source),
                          tree_sizes=list(stats.tree_sizes),
-                         tree_depths=list(self.tree_depths) if len(self.tree_depths) == stats.steps else None,
+                         tree_depths=list(stats.tree_depths),
                          drafted_by_source=dict(stats.drafted_by_source))
-
-
-def _record_tree_depths(decoder: Any, depths: list[int]) -> None:
-    """Note the depth of every verified tree into `depths` (DecodeStats keeps sizes, not depths).
-
-    The engine hands each verified tree to `sizer.observe` once per step, right after recording the step,
-    so wrapping this decoder's own sizer instance is enough; nothing else about it changes.
-    """
-    sizer = getattr(decoder, "sizer", None)
-    observe = getattr(sizer, "observe", None)
-    if not callable(observe):
-        return
-
-    def observe_and_record(tree: Any, *args: Any, **kwargs: Any) -> Any:
-        depths.append(max(tree.depths()) if len(tree) > 1 else 0)
-        return observe(tree, *args, **kwargs)
-
-    sizer.observe = observe_and_record
 
 
 def method_variant(name: str) -> tuple[str, dict[str, Any]]:

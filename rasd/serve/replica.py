@@ -47,7 +47,7 @@ def _usage(prompt_tokens: int, output: Any) -> dict[str, Any]:
 def _stats_view(output: Any) -> dict[str, Any]:
     """The speculative statistics a response carries (the per-step lists are left out)."""
     stats = output.stats.to_dict()
-    for name in ("accept_lengths", "tree_sizes"):
+    for name in ("accept_lengths", "tree_sizes", "tree_depths"):
         stats.pop(name, None)
     return stats
 

@@ -10,7 +10,6 @@ only maps HTTP onto these methods, so the logic can be tested and reused without
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import threading
@@ -31,7 +30,7 @@ from rasd.decoding.runtime.compute import ComputeThread
 from rasd.decoding.runtime.engine import GenerationOutput, build_decoder, vocab_size
 from rasd.decoding.runtime.prefix_cache import PrefixCache
 from rasd.decoding.runtime.scheduler import STALL_S, Overloaded, Scheduler
-from rasd.decoding.sizing.sizers import CostAwareSizer
+from rasd.decoding.sizing.protocol import Sizer
 from rasd.decoding.step.grammar import ll_tokenizer
 from rasd.decoding.step.sampling import SamplingParams
 from rasd.distributed.draft_worker import NAME_PREFIX, DraftPool, check_spec, worker_spec
@@ -586,23 +585,16 @@ def default_threads(replicas: int = 1) -> int:
     return max(1, cores // max(1, replicas))
 
 
-def sizer_state(sizer: Any) -> dict[str, Any]:
-    """What a cost-aware sizer learned in one request (acceptance posteriors, latencies, overhead)."""
-    if not isinstance(sizer, CostAwareSizer):
-        return {}
-    return {"counts": copy.deepcopy(sizer.estimator.counts), "observed": dict(sizer.observed),
-            "observed_all": sizer.observed_all, "overhead_s": sizer.overhead_s}
+def sizer_state(sizer: Sizer) -> dict[str, Any]:
+    """What a request's sizer learned (`Sizer.state`: for cost sizing, acceptance posteriors, latencies, overhead)."""
+    return sizer.state()
 
 
-def warm_start(sizer: Any, state: dict[str, Any] | None) -> None:
+def warm_start(sizer: Sizer, state: dict[str, Any] | None) -> None:
     """Start a request's sizer from the last finished request's state instead of the prior.
 
     Why: a fresh sizer spends its first steps trying trees the previous request already learned not to
-    try (one request alone through the service ran at 0.91x HF end to end with cold sizers). Only the
-    decoding speed depends on it; the output never does.
+    try (docs/lab-notes/sizing.md, "service"). Only the decoding speed depends on it; the output never does.
     """
-    if state and isinstance(sizer, CostAwareSizer):
-        sizer.estimator.counts = copy.deepcopy(state["counts"])
-        sizer.observed = dict(state["observed"])
-        sizer.observed_all = state.get("observed_all")
-        sizer.overhead_s = state["overhead_s"]
+    if state:
+        sizer.load_state(state)

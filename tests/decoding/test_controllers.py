@@ -12,17 +12,10 @@ import torch
 
 from rasd.decoding.runtime.engine import build_decoder
 from rasd.decoding.sizing.cost import CostCurve
-from rasd.decoding.sizing.sizers import (
-    SIZINGS,
-    CostAwareSizer,
-    FixedSizer,
-    HeuristicSizer,
-    ThompsonSizer,
-    ThresholdSizer,
-    depth_cut,
-    ended_at_leaf,
-    make_sizer,
-)
+from rasd.decoding.sizing.cost_aware import CostAwareSizer
+from rasd.decoding.sizing.simple import FixedSizer, HeuristicSizer, ThresholdSizer, depth_cut, ended_at_leaf
+from rasd.decoding.sizing.sizers import SIZINGS, make_sizer
+from rasd.decoding.sizing.thompson import ThompsonSizer
 from rasd.decoding.step.tree import DraftTree
 from tests.decoding.test_engine_greedy import check_stats, cpu_like_curve, flat_curve, make_decoder, prompt_of
 from tests.helpers import assert_greedy_equal, hf_greedy, tiny_llama

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import rasd.decoding.sizing.cost as cost_mod
+from rasd.decoding.sizing.acceptance import AcceptanceEstimator
 from rasd.decoding.sizing.cost import (
     CONTEXT_BUCKETS,
     CostCurve,
@@ -17,7 +18,8 @@ from rasd.decoding.sizing.cost import (
     load_or_measure,
     measure_curve,
 )
-from rasd.decoding.sizing.sizers import AcceptanceEstimator, CostAwareSizer, FixedSizer
+from rasd.decoding.sizing.cost_aware import CostAwareSizer
+from rasd.decoding.sizing.simple import FixedSizer
 from rasd.decoding.step.tree import DraftTree
 from tests.helpers import tiny_llama
 
@@ -184,7 +186,7 @@ def chain(n: int, source: str = "s", score: float = 0.9) -> DraftTree:
 
 
 def test_estimator_learns_accept_and_reject_rates() -> None:
-    good, bad = AcceptanceEstimator(thompson=False), AcceptanceEstimator(thompson=False)
+    good, bad = AcceptanceEstimator(), AcceptanceEstimator()
     tree = chain(1)
     key = good.node_keys(tree)[1]
     assert key is not None and key[:3] == ("s", 1, 0)
@@ -198,7 +200,7 @@ def test_estimator_learns_accept_and_reject_rates() -> None:
 
 
 def test_estimator_only_counts_tried_nodes_and_decays_to_prior() -> None:
-    est = AcceptanceEstimator(thompson=False)
+    est = AcceptanceEstimator()
     tree = chain(3)
     keys = est.node_keys(tree)
     for _ in range(50):
@@ -220,7 +222,7 @@ def test_untried_depth_starts_from_the_shallower_depths_rate() -> None:
     """A source right at depths 1-3 whose depth 4 was never verified: depth 4 is guessed from depth 3, not
     from the 0.4 prior, so a sizer tries it (otherwise it would stay untried for good); once depth 4 is
     tried and rejected, its own evidence wins."""
-    est = AcceptanceEstimator(thompson=False)
+    est = AcceptanceEstimator()
     short, long = chain(3, score=1.0), chain(6, score=1.0)
     for _ in range(40):
         est.update(short, [1, 2, 3])
@@ -229,7 +231,7 @@ def test_untried_depth_starts_from_the_shallower_depths_rate() -> None:
     assert keys[4] not in est.counts
     assert est.rate(keys[3]) > 0.9
     assert est.rate(keys[4]) > 0.9 and est.rate(keys[6]) > 0.9
-    assert AcceptanceEstimator(thompson=False).rate(keys[4]) == pytest.approx(prior_mean)
+    assert AcceptanceEstimator().rate(keys[4]) == pytest.approx(prior_mean)
     for _ in range(40):
         est.update(long, [1, 2, 3])   # depth 4 tried and rejected every time
     assert est.rate(keys[4]) < 0.2
@@ -310,7 +312,7 @@ def test_a_sizer_stops_verifying_big_trees_that_never_paid() -> None:
 def test_a_nodes_rank_is_its_place_among_its_own_sources_siblings_by_score() -> None:
     """A fused tree's draft children come first: the copied continuation beside them is still its source's
     likeliest (rank 0), bucketed as it is in a tree of its own; within a source the higher score ranks first."""
-    from rasd.decoding.sizing.sizers import sibling_ranks
+    from rasd.decoding.sizing.acceptance import sibling_ranks
 
     alone = DraftTree.root_only(0)
     alone.add(0, 7, "context", 0.2)            # found first, one occurrence of five
@@ -326,15 +328,6 @@ def test_a_nodes_rank_is_its_place_among_its_own_sources_siblings_by_score() -> 
     assert est.node_keys(fused)[4:] == est.node_keys(alone)[1:]
 
 
-def test_thompson_samples_vary_around_the_mean() -> None:
-    est = AcceptanceEstimator(thompson=True, seed=3)
-    key = est.node_keys(chain(1))[1]
-    assert key is not None
-    draws = [est.rate(key) for _ in range(2000)]
-    assert len(set(draws)) > 1000
-    assert sum(draws) / len(draws) == pytest.approx(est.prior[0] / sum(est.prior), abs=0.03)
-
-
 def flat(context_len: int) -> CostCurve:
     return CostCurve(key="flat", context_len=256, sizes=[1, 8, 16, 33], latency_s=[0.05] * 4)
 
@@ -344,7 +337,7 @@ def steep(context_len: int) -> CostCurve:
 
 
 def trained_sizer(curve_for, accept: bool, max_nodes: int = 64) -> CostAwareSizer:   # noqa: ANN001
-    sizer = CostAwareSizer(curve_for, max_nodes=max_nodes, estimator=AcceptanceEstimator(thompson=False))
+    sizer = CostAwareSizer(curve_for, max_nodes=max_nodes, estimator=AcceptanceEstimator())
     tree = chain(12)
     for _ in range(200):
         sizer.observe(tree, list(range(1, 13)) if accept else [], overhead_s=0.0)
@@ -470,7 +463,7 @@ def test_sizer_exploration_backs_off_while_it_finds_nothing_and_resets_on_succes
 def test_unseen_fine_bucket_falls_back_to_its_source_and_depth_rate() -> None:
     """A rarely-accepted source's nodes in a new (rank, confidence) bucket start at the source's own low rate,
     not at the optimistic prior; another source at the same depth keeps the prior."""
-    est = AcceptanceEstimator(thompson=False)
+    est = AcceptanceEstimator()
     seen = chain(1, source="junk", score=0.9)
     for _ in range(100):
         est.update(seen, [])
@@ -520,7 +513,7 @@ def test_the_look_ahead_rates_a_hypothetical_child_as_a_likeliest_child() -> Non
     depth-1 rate falls near 0.1, but the one child a look-ahead adds is a likeliest child, so `root_pays` and
     `grow_pays` use rank 0's rate. With a forward that costs a tenth of a step, the first forward pays (it is
     refused when the pooled rate stands in; the old rule)."""
-    sizer = CostAwareSizer(flat, estimator=AcceptanceEstimator(thompson=False))
+    sizer = CostAwareSizer(flat, estimator=AcceptanceEstimator())
     fan = DraftTree.root_only(0)
     for token in (1, 2, 3):
         fan.add(0, token, "s", 0.3)
@@ -538,7 +531,7 @@ def test_a_drafter_beside_a_confident_free_source_does_not_pay_for_its_forward()
     """`root_pays` with the step's free nodes: a drafter right 45% of the time pays for a cheap forward on its
     own, but not beside the request's own text, whose next token is accepted 90% of the time (a new child
     adds at most the 10% that one leaves). Beside a weak match it still pays."""
-    sizer = CostAwareSizer(flat, estimator=AcceptanceEstimator(thompson=False))
+    sizer = CostAwareSizer(flat, estimator=AcceptanceEstimator())
     one = DraftTree.root_only(0)
     one.add(0, 1, "head", 0.5)
     strong, weak = DraftTree.root_only(0), DraftTree.root_only(0)
@@ -563,7 +556,7 @@ def test_a_refused_drafter_is_let_through_now_and_then_and_its_likeliest_child_i
     def cpu(context_len: int) -> CostCurve:   # a second token costs a fifth of a step, more cost much more
         return CostCurve(key="cpu", context_len=256, sizes=[1, 2, 8, 16], latency_s=[0.05, 0.06, 0.4, 0.8])
 
-    sizer = CostAwareSizer(cpu, estimator=AcceptanceEstimator(thompson=False))
+    sizer = CostAwareSizer(cpu, estimator=AcceptanceEstimator())
     sizer.explore_every, sizer.max_backoff = 3, 4
     sizer.refused_keep = 1.0                                 # the probe alone here (the drift: the next test)
     for _ in range(200):                                     # the drafter and another source, never right
@@ -603,7 +596,7 @@ def test_a_refused_source_drifts_back_to_being_tried_and_other_sources_keep_what
     def refused_steps(keep: float) -> tuple[int | None, float]:
         """Refused steps until the rule lets the drafter through (None: not in 200), and the other source's
         depth-1 rate then."""
-        sizer = CostAwareSizer(cpu, estimator=AcceptanceEstimator(thompson=False))
+        sizer = CostAwareSizer(cpu, estimator=AcceptanceEstimator())
         sizer.explore_every, sizer.max_backoff, sizer.refused_keep = 10_000, 1, keep   # no probes
         for _ in range(200):
             sizer.observe(chain(3), [], overhead_s=0.0)                # the drafter "s": never right
@@ -709,7 +702,7 @@ def test_one_slow_verification_does_not_lock_a_tree_size_out_for_good() -> None:
 def test_siblings_share_one_parents_chance_so_their_estimates_never_sum_past_it() -> None:
     """At most one child of a node is accepted: however many candidate continuations a proposer offers, their p̂
     sum to no more than their parent's, and the sizer keeps fewer of them on a curve where tokens cost time."""
-    est = AcceptanceEstimator(thompson=False)
+    est = AcceptanceEstimator()
     wide = DraftTree.root_only(0)
     first = wide.add(0, 1, "s", 0.9)
     for token in range(2, 12):                    # ten siblings under the first node, from one source

@@ -15,8 +15,10 @@ import torch
 
 from rasd.decoding.proposers import make_proposer
 from rasd.decoding.runtime.engine import GenerationOutput, SpeculativeDecoder
+from rasd.decoding.sizing.acceptance import AcceptanceEstimator
 from rasd.decoding.sizing.cost import CostCurve
-from rasd.decoding.sizing.sizers import AcceptanceEstimator, CostAwareSizer, FixedSizer
+from rasd.decoding.sizing.cost_aware import CostAwareSizer
+from rasd.decoding.sizing.simple import FixedSizer
 from tests.helpers import assert_greedy_equal, hf_greedy, random_prompt, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,7 +59,10 @@ def committed(out: GenerationOutput) -> int:
 def check_stats(out: GenerationOutput, name: str) -> None:
     stats = out.stats
     assert stats.new_tokens == len(out.token_ids)
-    assert stats.steps == len(stats.accept_lengths) == len(stats.tree_sizes)
+    assert stats.steps == len(stats.accept_lengths) == len(stats.tree_sizes) == len(stats.tree_depths)
+    # a tree is at least as deep as the path it accepted, and no deeper than it has nodes
+    assert all(a - 1 <= d <= n for a, d, n in zip(stats.accept_lengths, stats.tree_depths, stats.tree_sizes,
+                                                  strict=True))
     assert stats.accepted_by_source["bonus"] == stats.steps
     assert stats.num_accepted_tokens == sum(stats.accept_lengths) - stats.steps
     assert committed(out) >= len(out.token_ids)
@@ -204,7 +209,7 @@ def test_cost_aware_sizing_keeps_greedy_equality(curve: Any, name: str) -> None:
     model = tiny_llama(0)
     prompt = prompt_of(40, 5)
     ref = hf_greedy(model, prompt, 37)
-    sizer = CostAwareSizer(curve, max_nodes=24, estimator=AcceptanceEstimator(thompson=True, seed=1))
+    sizer = CostAwareSizer(curve, max_nodes=24, estimator=AcceptanceEstimator())
     if curve is steep_curve:
         sizer.explore_every = 10**9   # the claim below is about the cost model, not periodic exploration
     if curve is not cpu_like_curve:

@@ -73,7 +73,7 @@ def test_rows_with_non_finite_logits_are_not_recycled_and_a_saved_nan_row_is_dro
 
 
 def test_node_buckets_survive_nan_and_overflowing_scores() -> None:
-    from rasd.decoding.sizing.sizers import AcceptanceEstimator
+    from rasd.decoding.sizing.acceptance import AcceptanceEstimator
 
     tree = DraftTree.root_only(1)
     a = tree.add(0, 2, "recycling", 1e-310)

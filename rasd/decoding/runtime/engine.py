@@ -50,10 +50,6 @@ class GenerationOutput:
     plain_step_s: float | None = None   # measured latency of one plain decoding step (cost curve, 1 token)
     logprobs: list[TokenLogprob] | None = None   # per token of `token_ids`, when the request asked for them
 
-    @property
-    def finished(self) -> bool:
-        return True
-
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -336,7 +332,7 @@ class GenerationStream:
             self.feed_features(len(self.context) - 1, hidden[[0, *verdict.accepted]])
         block, self.reason = self.checker.cut(self.generated, verdict.new_tokens(tree))
         sources = [tree.sources[i] for i in verdict.accepted]
-        stats.record_step(tree.sources[1:], sources, tree.num_draft_tokens)
+        stats.record_step(tree.sources[1:], sources, tree.num_draft_tokens, max(tree.depths()))
         self.last_sources = (sources + ["bonus"])[: len(block)]   # a stop condition may have cut the block
         self._record_logprobs(logits[[0, *verdict.accepted]], block)
         self.token_sources += self.last_sources

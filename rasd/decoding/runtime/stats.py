@@ -26,6 +26,8 @@ class DecodeStats:
     accepted_by_source: Counter = field(default_factory=Counter)     # source -> tokens; "bonus" included
     drafted_by_source: Counter = field(default_factory=Counter)      # source -> draft nodes verified
     tree_sizes: list[int] = field(default_factory=list)              # draft nodes per step
+    # per step, the depth of the verified tree (0: a plain step); the accepted depth is `accept_lengths` - 1
+    tree_depths: list[int] = field(default_factory=list)
     pruned_nodes: int = 0                  # candidate nodes dropped by proposer pruning (RASD) before sizing
     prefill_time_s: float = 0.0            # prompt forward up to the first new token
     draft_time_s: float = 0.0
@@ -34,11 +36,13 @@ class DecodeStats:
     total_time_s: float = 0.0
     finish_reason: str = ""
 
-    def record_step(self, sources: list[str], accepted_sources: list[str], num_draft: int) -> None:
-        """Account one verification step: `accepted_sources` are the sources of accepted draft nodes."""
+    def record_step(self, sources: list[str], accepted_sources: list[str], num_draft: int, tree_depth: int) -> None:
+        """Account one verification step: `accepted_sources` are the sources of accepted draft nodes,
+        `tree_depth` the depth of the verified tree (its deepest node; 0 for the root alone)."""
         self.steps += 1
         self.num_draft_tokens += num_draft
         self.tree_sizes.append(num_draft)
+        self.tree_depths.append(tree_depth)
         self.drafted_by_source.update(sources)
         self.num_accepted_tokens += len(accepted_sources)
         self.accepted_by_source.update(accepted_sources)

@@ -2,9 +2,9 @@
 
 A batched forward pads every row to the widest tree ([B, W] tokens), so a row's tree size is not its own
 business: one request with a 30-node tree makes seven others pay for 30. The single-request sizer
-(`sizers.CostAwareSizer`) cannot see that, and the batch's cost is not the single-row curve either: at
-B rows of context L each, attention reads B·L keys per query token, which on this CPU made an 8 x 8 step
-(64 tokens) cost 345 ms against 190 ms for 64 tokens in one row.
+(`cost_aware.CostAwareSizer`) cannot see that, and the batch's cost is not the single-row curve either: at
+B rows of context L each, attention reads B·L keys per query token, so 8 rows of 8 tokens cost far more than
+64 tokens in one row (docs/lab-notes/sizing.md, "batch_width").
 
 So, per step, with p̂ the row's own acceptance estimates (its sizer's `AcceptanceEstimator`):
 
@@ -21,7 +21,7 @@ large widths are tried early and priced by what they really cost.
 
 Only rows whose sizer is cost-aware are re-sized. A row under another policy (`fixed`, `thompson`, ...)
 keeps the tree its own sizer cut, and nodes sampled from q are never dropped one by one (see
-`sizers`): such rows only set a lower bound on W.
+`sizing.protocol`): such rows only set a lower bound on W.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rasd.decoding.sizing.cost import CostCurve
-from rasd.decoding.sizing.sizers import Sizer, rank_nodes
+from rasd.decoding.sizing.cost_aware import rank_nodes
+from rasd.decoding.sizing.protocol import Sizer
 from rasd.decoding.step.tree import DraftTree
 
 
@@ -103,8 +104,7 @@ def plan_row(tree: DraftTree, sizer: Sizer) -> RowPlan:
     probs = sizer.estimator.path_probs(tree)
     sampled, ranked = rank_nodes(tree, probs)
     # p̂ as estimated, not `AcceptanceEstimator.calibrated`: a batch has no exploration step, and with it the
-    # batched service stopped speculating for good (8 fresh concurrent requests: 1.02 accepted a step, 2.19x HF
-    # with prefill, against 2.33 and 3.46x without)
+    # batched service stopped speculating for good (docs/lab-notes/sizing.md, "batch_width")
     return RowPlan(tree, ranked, [probs[i] for i in ranked], sampled)
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from rasd import paths
 from rasd.decoding.model.features import FinalNormTap, final_norm, shared_tap  # noqa: F401 - re-exported
+from rasd.decoding.sizing.protocol import SizerDefaults
 from rasd.decoding.step.tree import DraftTree
 
 LOG_THRESHOLD = -0.6
@@ -211,3 +212,27 @@ def load_controller(target: nn.Module, path: Path | str | None, model_name: str,
         raise ValueError(f"no trained LDLP at {file}: run `rasd train ldlp --model {model_name} --drafter "
                          f"{drafter}` (or pass --ldlp PATH)")
     return LDLPController(target, LengthPredictor.load(file))
+
+
+class LDLPSizer(SizerDefaults):
+    """AdaEAGLE's LDLP + DDD as a cut on any proposed tree (the decision logic lives in `LDLPController`).
+
+    A sampled node is decided by its ancestors' scores only (DDD's stop after a token never looks at the
+    next one), so sampled chains stay exact. Nothing to carry (`state()` is {}): the predictor is trained
+    offline, and what the controller keeps between steps (the last accepted position's hidden state) belongs
+    to one request.
+    """
+
+    def __init__(self, controller: LDLPController, max_nodes: int = 64):
+        self.controller, self.max_nodes = controller, max_nodes
+
+    def budget(self, context_len: int) -> int:
+        return self.max_nodes
+
+    def cut(self, tree: DraftTree, context_len: int) -> DraftTree:
+        return self.controller.cut(tree).top_nodes(self.max_nodes)
+
+    def observe(self, tree: DraftTree, accepted: list[int], overhead_s: float,
+                verify_s: float | None = None) -> None:
+        """Take the hidden state of the last accepted node for the next prediction."""
+        self.controller.observe(tree, accepted)
