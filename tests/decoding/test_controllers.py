@@ -3,6 +3,7 @@ make (always prefix-closed), selection by name, and greedy equality to HF `gener
 
 from __future__ import annotations
 
+import json
 import random
 from types import SimpleNamespace
 from typing import Any
@@ -288,3 +289,81 @@ def test_latency_corrections_are_pooled_per_size_class_and_carry_to_other_contex
     sizer.observe(chain(40), [1], 0.0, verify_s=1.0 * cpu_like_curve(500).latency(41))   # class 32-63: 1x
     assert sizer.observed[6] == pytest.approx(1.0) and sizer.observed[3] == pytest.approx(2.0)
     assert 1.0 < sizer.observed_all < 2.0
+
+
+# ------------------------------------------------------------------------------------------------------
+# state() / load_state(): what a sizer learned, carried as plain data
+# ------------------------------------------------------------------------------------------------------
+
+class FixedDepth:
+    """An LDLP controller stand-in: a fixed depth limit, nothing learned (the real one needs a trained MLP)."""
+
+    def cut(self, tree: DraftTree) -> DraftTree:
+        return depth_cut(tree, 2)
+
+    def observe(self, tree: DraftTree, accepted: list[int]) -> None:
+        pass
+
+
+STATEFUL = {"cost": lambda: make_sizer("cost", 16, curve_for=cpu_like_curve),
+            "fixed": lambda: make_sizer("fixed", 16),
+            "heuristic": lambda: make_sizer("heuristic", 16, initial=2),
+            "threshold": lambda: make_sizer("threshold", 16),
+            "thompson": lambda: make_sizer("thompson", 16, seed=7),
+            "ldlp": lambda: make_sizer("ldlp", 16, controller=FixedDepth())}
+LEARNS = {"cost", "heuristic", "thompson"}
+
+
+def drive(sizer: Any, seed: int, steps: int) -> list[set[tuple[int, ...]]]:
+    """Cut and observe `steps` random trees (each accepting a random path of the cut); the cuts' token paths."""
+    rng, cuts = random.Random(seed), []
+    for _ in range(steps):
+        tree = random_tree(rng, rng.randrange(0, 20))
+        cut = sizer.cut(tree, 300)
+        accepted, node = [], 0
+        while (kids := cut.children(node)) and rng.random() < 0.7:
+            node = kids[0]
+            accepted.append(node)
+        sizer.observe(cut, accepted, overhead_s=0.001 * rng.random(), verify_s=0.05 + 0.01 * rng.random())
+        cuts.append(token_paths(cut))
+    return cuts
+
+
+def as_json(state: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(state))
+
+
+def test_sizing_names_all_have_a_state_round_trip_case() -> None:
+    assert set(STATEFUL) == set(SIZINGS)
+
+
+@pytest.mark.parametrize("sizing", list(STATEFUL))
+def test_a_sizer_state_round_trips_as_json_and_decides_alike(sizing: str) -> None:
+    """What `state()` gives survives JSON; a sizer loaded from it reports the same state, and two sizers loaded
+    from the same state cut the same trees from then on (the state is all a later request starts from)."""
+    make = STATEFUL[sizing]
+    learned = make()
+    drive(learned, seed=1, steps=60)
+    state = as_json(learned.state())
+    assert (state != as_json(make().state())) == (sizing in LEARNS), "a learning sizer's state must move"
+    first, second = make(), make()
+    first.load_state(state)
+    assert as_json(first.state()) == state
+    second.load_state(as_json(first.state()))
+    assert drive(first, seed=2, steps=40) == drive(second, seed=2, steps=40)
+    assert as_json(first.state()) == as_json(second.state())
+
+
+def test_a_loaded_cost_sizer_starts_from_the_learned_estimates_not_the_prior() -> None:
+    """The carried posteriors and latency corrections are the ones learned (not a reset): a loaded sizer rates
+    nodes and prices trees as the sizer that learned them does."""
+    learned = STATEFUL["cost"]()
+    drive(learned, seed=3, steps=80)
+    loaded, fresh = STATEFUL["cost"](), STATEFUL["cost"]()
+    loaded.load_state(as_json(learned.state()))
+    tree = random_tree(random.Random(4), 15)
+    assert loaded.estimator.path_probs(tree) == learned.estimator.path_probs(tree)
+    assert loaded.estimator.path_probs(tree) != fresh.estimator.path_probs(tree)
+    curve = cpu_like_curve(300)
+    assert [loaded.latency(curve, n) for n in (1, 4, 16)] == [learned.latency(curve, n) for n in (1, 4, 16)]
+    assert loaded.overhead_s == learned.overhead_s > 0

@@ -199,7 +199,7 @@ class AcceptanceEstimator:
         return {"counts": [[list(key), list(a_b)] for key, a_b in self.counts.items()]}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Start from posteriors that `state` gave (the buckets as tuples again)."""
+        """Start from the posteriors `state()` gave (its "counts"; the buckets as tuples again)."""
         self.counts = {tuple(key): [float(a), float(b)] for key, (a, b) in state["counts"]}
 
     def _calibrate(self, tree: DraftTree, probs: list[float], accepted: set[int]) -> None:

@@ -1,7 +1,8 @@
 """The target's verification cost curve: forward latency against the number of tree tokens.
 
-On this CPU a 64-token tree costs about 3x one token; on a GPU almost the same as one. Tree sizing is only
-sensible against the real curve of the real model on the real device, so it is measured once per
+On a CPU a 64-token tree costs several times one token; on a GPU almost the same as one (measured curves:
+docs/lab-notes/sizing.md, "cost"). Tree sizing is only sensible against the real curve of the real model on
+the real device, so it is measured once per
 (model, device, dtype, torch threads, context bucket) and cached as JSON under `$RASD_HOME/cost/`.
 """
 
@@ -30,8 +31,7 @@ from rasd.paths import cost_dir
 
 # Every size up to 6, then two between each power of two. Why not powers of two alone: the kernels change
 # form at 4 and 8 rows (`kernels._BUCKETS`), so a tree between two measured sizes costs more than the line
-# between them says. At 1k tokens of context on a 2-core EPYC, 5 tokens took 41 ms (the line: 37), 9 took 69
-# and 11 took 84 (the line: 57 and 64): the sizer chose 5-15-token trees as if they were cheap.
+# between them says, and the sizer chose mid-sized trees as if they were cheap (docs/lab-notes/sizing.md).
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 CONTEXT_BUCKETS = (256, 1024, 2048, 4096)
 # Part of the cache key: bump it whenever the verification kernels change cost, so that curves measured
@@ -40,10 +40,10 @@ CURVE_VERSION = 12  # 3: the lean forward; 4: a load probe beside the latencies;
 # 6: layer kernels chosen in passes over the whole model (a plain step got cheaper against a tree);
 # 7: sizes between the powers of two (`DEFAULT_SIZES`); 8: kernel forms re-measured when tuned on a busy machine;
 # 9: one form for every layer shape where a whole pass of it beats the per-shape mix; 10: sizes timed up and down;
-# 11: oneDNN's packed form among the kernel forms (5-16 tree tokens a third cheaper on an AMD EPYC);
+# 11: oneDNN's packed form among the kernel forms;
 # 12: q/k/v and gate/up stacked into one product each (`fast_forward.projections`)
 # A curve read (and its probe checked) in this process is trusted for this long: a service builds a decoder
-# per request, and reading the file plus timing the probe cost ≈ 12 ms of every request's first token.
+# per request, and reading the file plus timing the probe delayed every request's first token.
 TRUSTED_FOR_S = 60.0
 _TRUSTED: dict[Path, tuple[float, CostCurve]] = {}   # curve file -> (when checked, curve)
 
@@ -123,8 +123,8 @@ def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ..
                                    "probe") for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
     # Rounds over all sizes (not all repeats of one size in a row), so drift hits every size alike, in turn up
-    # and down: in rounds all going up, one token always came right after the 64-token forward, and on a 2-core
-    # Xeon curves said 1 and 2 tokens cost the same where decoding paid 8.8% more for two.
+    # and down: in rounds all going up, one token always came right after the 64-token forward, and curves said
+    # 1 and 2 tokens cost the same where decoding paid more for two (docs/lab-notes/sizing.md).
     for rep in tqdm(range(repeats + 1), desc="measuring verification cost curve", disable=not progress,
                     leave=False):
         for size in (sizes if rep % 2 == 0 else tuple(reversed(sizes))):
@@ -202,7 +202,7 @@ FLAT_CURVE_RATIO = 1.15   # verifying 16 tree tokens costs < 15% more than one: 
 
 
 def flat_nodes(curve: CostCurve, ratio: float = FLAT_CURVE_RATIO) -> int:
-    """Draft nodes that verify for at most `ratio` x one token's latency (this CPU: 3; an H200: 63), >= 1.
+    """Draft nodes that verify for at most `ratio` x one token's latency (a few on a CPU, most on a GPU), >= 1.
 
     OPT-Tree's n, tied to the measured curve: the paper's n = 60 assumes a GPU, where wider trees are free.
     """
@@ -212,7 +212,7 @@ def flat_nodes(curve: CostCurve, ratio: float = FLAT_CURVE_RATIO) -> int:
 
 
 def curve_is_flat(curve: CostCurve, tokens: int = 16) -> bool:
-    """Whether a 16-token tree costs about as much as one token (a GPU: 1.00x; this CPU: ≈1.75x)."""
+    """Whether a 16-token tree costs about as much as one token (a GPU's curve; not a CPU's)."""
     return curve.latency(tokens) < FLAT_CURVE_RATIO * curve.latency(1)
 
 

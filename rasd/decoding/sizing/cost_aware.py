@@ -249,12 +249,12 @@ class CostAwareSizer(SizerDefaults):
     def state(self) -> dict[str, Any]:
         """What carries to a later request: the acceptance posteriors, the latency corrections per size class and
         over all, and the per-step overhead (JSON-able). Exploration and probe intervals are per request."""
-        return {"estimator": self.estimator.state(), "observed": [[k, v] for k, v in self.observed.items()],
+        return {**self.estimator.state(), "observed": [[k, v] for k, v in self.observed.items()],
                 "observed_all": self.observed_all, "overhead_s": self.overhead_s}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Continue from a `state()`: a fresh sizer then skips what the last request already learnt not to try."""
-        self.estimator.load_state(state["estimator"])
+        self.estimator.load_state(state)
         self.observed = {int(k): float(v) for k, v in state["observed"]}
         self.observed_all = state["observed_all"]
         self.overhead_s = state["overhead_s"]

@@ -1,11 +1,10 @@
 """Whether to run a model drafter at all this step: a two-armed bandit on committed tokens per second.
 
-Why: the cost-aware sizer (`sizers.CostAwareSizer`) can drop every drafted node when they do not pay, but
-by then the draft forwards have been paid for. On a CPU a self-draft token costs about a quarter of a target
-step (EESD, N = 4 of 30 layers): where it is rarely right (Spec-Bench translation: 0.12 accepted tokens per
-step) drafting makes decoding slower than plain decoding, and where retrieval already has the continuation
-(extraction, document QA) the draft adds nothing to it. Predicting acceptance from the draft's own
-probabilities needs them calibrated; measuring the outcome does not.
+Why: the cost-aware sizer (`cost_aware.CostAwareSizer`) can drop every drafted node when they do not pay, but
+by then the draft forwards have been paid for. On a CPU a self-draft token costs a sizeable share of a target
+step (EESD): where it is rarely right drafting makes decoding slower than plain decoding, and where retrieval
+already has the continuation (extraction, document QA) the draft adds nothing to it. Predicting acceptance
+from the draft's own probabilities needs them calibrated; measuring the outcome does not.
 
 `DraftGate` measures it. Every step is credited to its arm, "draft" or "plain" (no model draft: the other
 sources, or a plain step), in a context bucket the caller names (the retrieval match class for `rasd`):
@@ -17,14 +16,14 @@ blocks alternate; then the leader runs, with a block of the other arm after `exp
 interval doubling while the other keeps losing (at most `max_backoff` times): a drafter that never pays gets
 one block in thirteen, a bound kept short because the kind of text changes between requests.
 
-Why pairs: the kind of text moves both arms' rates far more than the arms differ (Spec-Bench on a 2-core
-CPU: 29-50 tokens/s from one prompt to the next, the arms of `eagle`'s one-node choice 5-15% apart). Rates
-kept per arm compared the leader's recent blocks with the other arm's blocks of hundreds of steps before, on
-other text; in one run the gate then kept the arm that was 7% slower on most prompts. Adjacent blocks see the
-same text, and a block of the other arm between two of the leader's gives two samples whose drift cancels.
-Blocks, not single steps: a draft that was idle pays a longer catch-up forward on its first step back
-(measured: 30 ms against 22 ms for the EESD self-draft), and switching every step would pay it every
-time; a block also gives the losing arm enough steps to be measured.
+Why pairs: the kind of text moves both arms' rates far more than the arms differ. Rates kept per arm
+compared the leader's recent blocks with the other arm's blocks of hundreds of steps before, on other text,
+and the gate then kept the slower arm on most prompts. Adjacent blocks see the same text, and a block of the
+other arm between two of the leader's gives two samples whose drift cancels. Blocks, not single steps: a
+draft that was idle pays a longer catch-up forward on its first step back, and switching every step would
+pay it every time; a block also gives the losing arm enough steps to be measured.
+
+Measurements behind these choices: docs/lab-notes/sizing.md, "gate".
 
 Output is unaffected: the gate only decides which candidates are proposed; verification decides the tokens.
 """
