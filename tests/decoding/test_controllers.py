@@ -281,14 +281,15 @@ def test_latency_corrections_are_pooled_per_size_class_and_carry_to_other_contex
     sizer = CostAwareSizer(cpu_like_curve, max_nodes=63)
     sizer.cut(chain(4), 500)                                    # the curve of this context is the reference
     sizer.observe(chain(4), [1], 0.0, verify_s=2.0 * cpu_like_curve(500).latency(5))      # class 4-7: 2x
-    assert sizer.observed == {3: pytest.approx(2.0)}
+    assert sizer.correction.observed == {3: pytest.approx(2.0)}
     far = CostCurve(key="far", context_len=2048, sizes=[1, 64], latency_s=[0.5, 1.0])
     assert sizer.latency(far, 6) == pytest.approx(2.0 * far.latency(6))      # same class, other context
     assert sizer.latency(far, 40) == pytest.approx(2.0 * far.latency(40))    # unseen class: the mean so far
     sizer.cut(chain(40), 500)
     sizer.observe(chain(40), [1], 0.0, verify_s=1.0 * cpu_like_curve(500).latency(41))   # class 32-63: 1x
-    assert sizer.observed[6] == pytest.approx(1.0) and sizer.observed[3] == pytest.approx(2.0)
-    assert 1.0 < sizer.observed_all < 2.0
+    observed = sizer.correction.observed
+    assert observed[6] == pytest.approx(1.0) and observed[3] == pytest.approx(2.0)
+    assert 1.0 < sizer.correction.observed_all < 2.0
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -215,7 +215,7 @@ def test_cost_aware_sizing_keeps_greedy_equality(curve: Any, name: str) -> None:
     if curve is not cpu_like_curve:
         # the claims below are about these curves; learning the tiny model's real ~1 ms steps would replace
         # the plain step's 10 ms (flat) first, and the sizer would wait for its exploration to find out
-        sizer.learn_latency = False
+        sizer.correction.learn = False
     out = make_decoder(model, name, sizer=sizer).generate(prompt, 37)
     assert_greedy_equal(model, prompt, out.token_ids, ref, label=f"{name} {curve.__name__}")
     check_stats(out, name)
@@ -232,7 +232,7 @@ def test_cost_aware_sizing_backs_off_from_a_useless_draft() -> None:
     model = tiny_llama(0)
     prompt = prompt_of(40, 5)
     sizer = CostAwareSizer(cpu_like_curve, max_nodes=24)
-    sizer.learn_latency = False   # the tiny model's real timings are flat; the claim is about a CPU-like curve
+    sizer.correction.learn = False   # the tiny model's real timings are flat; the claim is about a CPU-like curve
     sizer.explore_every = 10**9
     out = make_decoder(model, "draft-chain-other", sizer=sizer).generate(prompt, 60)
     sizes = out.stats.tree_sizes
@@ -376,4 +376,5 @@ def test_cost_aware_sizer_explores_after_plain_steps_and_learns_real_latency() -
     assert out.token_ids == ref
     assert out.stats.num_draft_tokens > 0
     # the tiny model verifies in milliseconds against the curve's 100 s per token: ratios far below 1
-    assert sizer.observed and all(v < 0.01 for v in sizer.observed.values()) and sizer.observed_all < 0.01
+    ratios = sizer.correction
+    assert ratios.observed and all(v < 0.01 for v in ratios.observed.values()) and ratios.observed_all < 0.01

@@ -388,6 +388,12 @@ def test_end_to_end_engine_methods_match_hf_greedy(tiny_target, tmp_path):
         assert entry["greedy_match_rate"] == 1.0, name
         assert entry["tokens_per_s"] > 0 and entry["speedup_vs_hf"] > 0
     assert results["methods"]["ar"]["mean_accepted_tokens"] == pytest.approx(1.0)
+    for r in records:   # our engine's records carry each step's verified tree depth (from DecodeStats)
+        if r.method != "hf":
+            assert r.tree_depths is not None and len(r.tree_depths) == r.steps == len(r.tree_sizes or [])
+            assert all(a - 1 <= d <= n for a, d, n in zip(r.accept_lengths or [], r.tree_depths, r.tree_sizes or [],
+                                                          strict=True))
+    assert all(d == 0 for r in records if r.method == "ar" for d in r.tree_depths or [])
     plot_speedups(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 1000
 

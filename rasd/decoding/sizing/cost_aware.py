@@ -16,6 +16,7 @@ Measurements behind each rule: docs/lab-notes/sizing.md, "cost_aware".
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from rasd.decoding.sizing.acceptance import AcceptanceEstimator, main_line
@@ -54,18 +55,8 @@ class CostAwareSizer(SizerDefaults):
         self.estimator = estimator or AcceptanceEstimator()
         self.overhead_s = 0.0               # EMA of step time spent outside the target forward
         self.last_choice: tuple[int, int] = (0, 0)   # (nodes offered, nodes kept), for statistics
-        # Online correction of the cached curve: a curve measured while the machine was busy would
-        # otherwise forbid speculation forever. Observed verify time / the curve's, per power-of-two size
-        # class (`size_class`), scales the curve; classes not seen yet take the mean over all observations.
-        # Why ratios pooled by class, not one time per exact size: with a flat curve (a GPU) sizes differ
-        # by less than their timing noise, and the argmax over 64 separately-noisy sizes locked onto a few
-        # lucky ones (docs/lab-notes/sizing.md); a ratio also carries over to other context lengths, where an
-        # absolute time does not.
-        self.observed: dict[int, float] = {}
-        self.observed_all: float | None = None
-        self.latency_drift = 0.98           # per step, an unobserved class's ratio moves this much less off the mean
+        self.correction = LatencyCorrection()   # what verifying really took, against the cached curve
         self._curve: CostCurve | None = None    # the curve the last `cut` used: `observe` compares with it
-        self.learn_latency = True
         self.explore_every = 16             # after this many plain steps, try a small tree once
         self.explore_nodes = 4
         self.max_backoff = 16
@@ -94,8 +85,7 @@ class CostAwareSizer(SizerDefaults):
 
     def latency(self, curve: CostCurve, n_tokens: int) -> float:
         """The measured curve's latency, scaled by what verifying trees of this size class really took."""
-        ratio = self.observed.get(size_class(n_tokens), self.observed_all)
-        return curve.latency(n_tokens) * (1.0 if ratio is None else ratio)
+        return curve.latency(n_tokens) * self.correction.ratio(n_tokens)
 
     def budget(self, context_len: int) -> int:
         """Largest tree worth asking proposers for: bounded by the curve and by `max_nodes`."""
@@ -243,43 +233,72 @@ class CostAwareSizer(SizerDefaults):
             self._backoff = min(2 * self._backoff, self.max_backoff) if not accepted else 1
             self._exploring = False
         self.overhead_s = overhead_s if self.overhead_s == 0 else 0.9 * self.overhead_s + 0.1 * overhead_s
-        if verify_s is not None and self.learn_latency and self._curve is not None:
-            self._learn_latency(size_class(len(tree)), verify_s / self._curve.latency(len(tree)))
+        if verify_s is not None and self.correction.learn and self._curve is not None:
+            self.correction.fold(len(tree), verify_s / self._curve.latency(len(tree)))
 
     def state(self) -> dict[str, Any]:
         """What carries to a later request: the acceptance posteriors, the latency corrections per size class and
         over all, and the per-step overhead (JSON-able). Exploration and probe intervals are per request."""
-        return {**self.estimator.state(), "observed": [[k, v] for k, v in self.observed.items()],
-                "observed_all": self.observed_all, "overhead_s": self.overhead_s}
+        return {**self.estimator.state(), **self.correction.state(), "overhead_s": self.overhead_s}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Continue from a `state()`: a fresh sizer then skips what the last request already learnt not to try."""
         self.estimator.load_state(state)
-        self.observed = {int(k): float(v) for k, v in state["observed"]}
-        self.observed_all = state["observed_all"]
+        self.correction.load_state(state)
         self.overhead_s = state["overhead_s"]
-
-    def _learn_latency(self, key: int, ratio: float) -> None:
-        """Fold one observed/curve latency ratio into its size class and into the mean over all steps.
-
-        Classes that were not observed drift back toward that mean (`latency_drift` per step). Why: a class is
-        observed only when a tree of its size is verified, and one slow verification (a first use of a shape,
-        a busy second) made trees of that size look too dear to verify again, so the class was never measured
-        again and `pld` ran at `ar`'s speed for a whole run (docs/lab-notes/sizing.md). The mean is refreshed
-        every step, plain ones included, so it is the right anchor."""
-        anchor = ratio if self.observed_all is None else self.observed_all
-        for other, value in self.observed.items():
-            if other != key:
-                self.observed[other] = anchor + (value - anchor) * self.latency_drift
-        old = self.observed.get(key)
-        self.observed[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
-        self.observed_all = ratio if self.observed_all is None else 0.9 * self.observed_all + 0.1 * ratio
 
 
 def likeliest_child(tree: DraftTree, ranked: list[int], source: str) -> int | None:
     """The first of `ranked` that is a child of the root from `source` (None when the source drafted none)."""
     return next((i for i in ranked if tree.parents[i] == 0 and tree.sources[i] == source), None)
 
+
+
+@dataclass
+class LatencyCorrection:
+    """Online correction of the cached cost curve: observed verify time over the curve's, per size class.
+
+    A curve measured while the machine was busy would otherwise forbid speculation forever. The ratio of a
+    power-of-two size class (`size_class`) scales the curve; classes not seen yet take the mean over all
+    observations. Why ratios pooled by class, not one time per exact size: with a flat curve (a GPU) sizes
+    differ by less than their timing noise, and the argmax over 64 separately-noisy sizes locked onto a few
+    lucky ones (docs/lab-notes/sizing.md); a ratio also carries over to other context lengths, where an
+    absolute time does not."""
+
+    observed: dict[int, float] = field(default_factory=dict)   # size class -> observed / curve latency
+    observed_all: float | None = None   # the mean over all observations (None: none yet)
+    drift: float = 0.98                 # per step, an unobserved class's ratio moves this much less off the mean
+    learn: bool = True                  # False: keep the curve as measured (tests of a given curve)
+
+    def ratio(self, n_tokens: int) -> float:
+        """What verifying n tree tokens really takes over what the curve says (1 before any observation)."""
+        ratio = self.observed.get(size_class(n_tokens), self.observed_all)
+        return 1.0 if ratio is None else ratio
+
+    def fold(self, n_tokens: int, ratio: float) -> None:
+        """Fold one observed/curve latency ratio into its size class and into the mean over all steps.
+
+        Classes that were not observed drift back toward that mean (`drift` per step). Why: a class is observed
+        only when a tree of its size is verified, and one slow verification (a first use of a shape, a busy
+        second) made trees of that size look too dear to verify again, so the class was never measured again
+        and `pld` ran at `ar`'s speed for a whole run (docs/lab-notes/sizing.md). The mean is refreshed every
+        step, plain ones included, so it is the right anchor."""
+        key = size_class(n_tokens)
+        anchor = ratio if self.observed_all is None else self.observed_all
+        for other, value in self.observed.items():
+            if other != key:
+                self.observed[other] = anchor + (value - anchor) * self.drift
+        old = self.observed.get(key)
+        self.observed[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
+        self.observed_all = ratio if self.observed_all is None else 0.9 * self.observed_all + 0.1 * ratio
+
+    def state(self) -> dict[str, Any]:
+        """The ratios as JSON-able data (classes as [class, ratio] pairs: JSON keys would turn into text)."""
+        return {"observed": [[k, v] for k, v in self.observed.items()], "observed_all": self.observed_all}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.observed = {int(k): float(v) for k, v in state["observed"]}
+        self.observed_all = state["observed_all"]
 
 
 def size_class(n_tokens: int) -> int:
