@@ -243,12 +243,12 @@ class Service:
             raise ApiError(400, str(exc), param="question") from exc
 
     # ------------------------------------------------------------------ decoding
-    async def events(self, p: Prepared, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
-        """("tokens", block)... then ("done", GenerationOutput) from the back-end; the request leaves the
-        batch if abandoned. With `sourced`, or when the request asked for log-probabilities, each block comes
-        as a `TokenBlock` carrying every token's source (and log-probability)."""
-        async for event in self.backend.events(p, sourced):
-            yield event
+    def events(self, p: Prepared, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
+        """("tokens", block)... then ("done", GenerationOutput): the back-end's own stream, handed out as it
+        is, so that closing it takes the request out of the batch at once. With `sourced`, or when the request
+        asked for log-probabilities, each block comes as a `TokenBlock` carrying every token's source (and
+        log-probability)."""
+        return self.backend.events(p, sourced)
 
     @staticmethod
     def choices(p: Prepared, n: int) -> list[Prepared]:
