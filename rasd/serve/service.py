@@ -1,6 +1,6 @@
 """The service's request logic, independent of Ray: validate, search, ingest, and hand requests to a back-end.
 
-`Service` owns the tokenizer side of the target model and the index, and one `DecodingBackend` that decodes
+`Service` owns the target model (here: its tokenizer and limits), the index, and one `DecodingBackend` that decodes
 every request (`rasd.distributed.backend`): a `LocalBackend` (by default: a continuous-batching `Scheduler`
 in this process, every running request sharing the target's forwards) or a `RemoteBackend` (`--verifier-actor`:
 the same in a `TargetVerifier` Ray actor). It never asks which. Its torch work here (loading, query and
@@ -33,12 +33,15 @@ from rasd.distributed.backend import (
     Prepared,
     TokenBlock,
     WarmUp,
+    sizer_state,
+    warm_start,
 )
 from rasd.errors import ApiError
 from rasd.serve.metrics import ServiceMetrics
 from rasd.text import encode_chat, has_chat_template
 
-__all__ = ["Prepared", "ServeConfig", "Service", "TokenBlock", "decoding_settings", "default_threads"]
+__all__ = ["Prepared", "ServeConfig", "Service", "TokenBlock", "decoding_settings", "default_threads", "sizer_state",
+           "warm_start"]
 INGEST_LOCK_TIMEOUT_S = 60.0   # how long an ingest waits for another writer (CLI, another replica)
 
 
