@@ -62,14 +62,14 @@ def run_level(svc: Any, preps: list[Any], concurrency: int, timeout_s: float) ->
                 return
             i = pending.pop(0)
         started[i] = time.perf_counter()
-        stream = svc.compute.run(svc._stream_for, preps[i])
+        stream = svc.compute.run(svc.backend.stream_for, preps[i])
 
         def sink(kind: str, payload: Any, i: int = i) -> None:
             if kind in ("done", "error"):
                 outs[i] = (kind, payload, time.perf_counter() - started[i])
                 done.release()
                 submit_next()
-        svc.scheduler.submit(stream, sink)
+        svc.backend.scheduler.submit(stream, sink)
 
     t0 = time.perf_counter()
     for _ in range(concurrency):

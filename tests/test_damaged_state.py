@@ -16,7 +16,7 @@ import torch
 
 from rasd.decoding.proposers import RecyclingMatrix
 from rasd.decoding.sizing.cost import CURVE_VERSION, load_or_measure
-from rasd.serve.service import Service
+from rasd.distributed.backend import LocalBackend
 from rasd.train.common import generation_key, greedy_continuations
 from tests.helpers import tiny_llama
 
@@ -57,9 +57,9 @@ def test_a_failed_save_during_serving_is_a_warning(tmp_path: Path, caplog: pytes
     blocked = tmp_path / "matrix.npz"
     blocked.mkdir()
     service = SimpleNamespace(recycling=RecyclingMatrix(10, k=3), recycling_path=blocked)
-    service.save_recycling = lambda: Service.save_recycling(service)
+    service.save_recycling = lambda: LocalBackend.save_recycling(service)
     with caplog.at_level(logging.WARNING):
-        Service.save_recycling_quietly(service)
+        LocalBackend.save_recycling_quietly(service)
     assert "could not save the recycling matrix" in caplog.text
     assert blocked.is_dir()
 

@@ -113,7 +113,7 @@ def test_decoding_stays_below_the_service() -> None:
 
 def test_ray_actors_stay_below_the_service() -> None:
     """distributed/ holds placement around the plain classes: it never imports serve, apps, eval or the CLI
-    (the verifier actor gets the service class passed in)."""
+    (the verifier actor is started from plain settings and builds its own `LocalBackend`)."""
     upper = ("rasd.serve", "rasd.apps", "rasd.eval", "rasd.cli")
     graph = import_graph()
     for name, deps in graph.items():

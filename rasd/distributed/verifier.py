@@ -1,9 +1,9 @@
 """`TargetVerifier`: the target model and its continuous batch in a Ray actor, apart from the HTTP replica.
 
-By default the Serve replica owns the target and its batch (like Ray Serve LLM's engine-in-replica). With
-`rasd serve --verifier-actor` the decoding half of `Service` (target, scheduler, recycling matrix, draft
-workers, the index's token datastores) moves into this actor, and the replica keeps HTTP, validation,
-vector search and ingest. Why:
+By default the Serve replica decodes in its own process (`LocalBackend`, like Ray Serve LLM's
+engine-in-replica). With `rasd serve --verifier-actor` the service's back-end is a `RemoteBackend`: the
+decoding half (target, scheduler, recycling matrix, draft workers, the index's token datastores) moves into
+this actor, and the replica keeps HTTP, validation, vector search and ingest. Why:
 
 - placement: the actor takes `--verifier-gpus` / `--verifier-resources`, so on a cluster the target sits
   on GPU nodes while the HTTP replica and retrieval stay on CPU nodes (`cluster.yaml`);
@@ -13,21 +13,24 @@ vector search and ingest. Why:
   had already streamed tokens gets HTTP 503 with a message saying so (the Python client retries 503), never
   Serve's bare 500 for a dead replica.
 
-The actor runs the same `Service` code in local mode, so tokens are identical to the in-replica path.
-Events stream back through a Ray streaming generator; a caller that goes away cancels it, which takes the
-request out of the batch.
+The actor runs a `LocalBackend`, the in-replica code, so tokens are identical to the in-replica path. It is
+started from plain values (the `DecodingSettings`, which name the model and the index folder, and the
+warm-up prompts), so a restarted actor loads and warms itself again. Events stream back through a Ray
+streaming generator; a caller that goes away cancels it, which takes the request out of the batch.
 """
 
 from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
 import ray
 
+from rasd.decoding.runtime.compute import ComputeThread
+from rasd.distributed.backend import DecodingBackend, DecodingSettings, IndexHolder, LocalBackend, Prepared, WarmUp
 from rasd.errors import ApiError
 
 NAMESPACE = "rasd"
@@ -35,55 +38,73 @@ NAME_PREFIX = "rasd-verifier-"
 
 
 class TargetVerifier:
-    """Ray actor body: a local-mode service whose `events` stream out through a generator.
+    """Ray actor body: the target model and a `LocalBackend` whose `events` stream out through a generator."""
 
-    `make_service(config, decode_only=True)` builds it: the serve layer passes its `Service` class in, so
-    this layer never imports the one above it."""
+    def __init__(self, settings: DecodingSettings, warm: WarmUp):
+        from rasd.decoding.model.loading import load_model
 
-    def __init__(self, config: Any, make_service: Callable[..., Any]):
+        self.compute = ComputeThread(settings.threads)
+        target = self.compute.run(load_model, settings.model, device=settings.device, dtype=settings.dtype,
+                                  graphs=settings.graphs)
         # the actor reads token datastores from the index folder itself; vector search stays with the replica
-        local = replace(config, verifier_actor=False, verifier_options={}, retrieval_shards=0)
-        self.service = make_service(local, decode_only=True)
+        self.indexes = IndexHolder(settings.index, target, self.compute)
+        self.backend = LocalBackend(settings, target, self.compute, self.indexes)
+        self.backend.start(warm)
 
     def ready(self) -> bool:
         return True
 
-    async def decode(self, prepared: Any, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
-        async for event in self.service.events(prepared, sourced):
+    async def decode(self, prepared: Prepared, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
+        async for event in self.backend.events(prepared, sourced):
             yield event
 
     def load(self) -> tuple[int, int]:
-        return self.service.load()
+        return self.backend.load()
 
     def refresh_index(self) -> None:
         """Documents were added by the replica: serve the datastores of the new committed index state."""
-        self.service.reopen_index()
+        self.indexes.reopen()
 
     def info(self) -> dict[str, Any]:
-        return {"draft_workers": self.service.draft_stats()}
+        return self.backend.stats()
 
     def close(self) -> None:
-        self.service.close()
+        self.backend.close()
+        self.compute.close()
 
 
-class RemoteVerifier:
-    """The replica's handle: starts the actor, streams a request's events, turns its death into a 503."""
+class RemoteBackend(DecodingBackend):
+    """The replica's handle on a `TargetVerifier`: starts it, streams a request's events, turns its death
+    into a 503 (or, where lossless, a re-sent request)."""
 
-    def __init__(self, config: Any, make_service: Callable[..., Any], timeout_s: float = 600.0,
+    def __init__(self, settings: DecodingSettings, options: dict[str, Any], timeout_s: float = 600.0,
                  retry_s: float = 120.0):
-        self.name = NAME_PREFIX + uuid.uuid4().hex[:8]
+        self.settings, self.timeout_s = settings, timeout_s
+        self._name = NAME_PREFIX + uuid.uuid4().hex[:8]
         self.retry_s = retry_s            # how long a request waits for a restarted verifier
         self.requests_resent = 0            # requests re-sent after the verifier died under them
         # like the draft workers and shards: no CPU reservation by default (torch threads are set explicitly,
         # `--threads`), so the actor also starts where a replica or a test already holds the CPUs; placement
         # comes from `verifier_options` (num_gpus, resources, or num_cpus when a person wants it)
-        options = {"num_cpus": 0, **config.verifier_options}
-        self.actor = ray.remote(TargetVerifier).options(
-            name=self.name, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
-            max_concurrency=1000, **options).remote(config, make_service)
-        ray.get(self.actor.ready.remote(), timeout=timeout_s)   # the model is loaded before we say "up"
+        self.options = {"num_cpus": 0, **options}
+        self.actor: Any = None
 
-    async def events(self, prepared: Any, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
+    @property
+    def name(self) -> str | None:
+        return self._name
+
+    @property
+    def threads(self) -> int | None:
+        return None
+
+    def start(self, warm: WarmUp) -> None:
+        """Start the actor; it loads and warms itself (again on every restart) before we say "up"."""
+        self.actor = ray.remote(TargetVerifier).options(
+            name=self._name, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
+            max_concurrency=1000, **self.options).remote(self.settings, warm)
+        ray.get(self.actor.ready.remote(), timeout=self.timeout_s)
+
+    async def events(self, p: Prepared, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
         """The verifier's events for one request, surviving a verifier restart where that is lossless.
 
         When the actor dies mid-request, the request is sent again once Ray has restarted it, and the tokens
@@ -96,13 +117,13 @@ class RemoteVerifier:
 
         from ray.exceptions import RayActorError
 
-        replayable = prepared.sampling.greedy or prepared.sampling.seed is not None
+        replayable = p.sampling.greedy or p.sampling.seed is not None
         deadline = asyncio.get_running_loop().time() + self.retry_s
         sent = 0                                      # tokens the caller already has
         while True:
             seen = 0
             try:
-                async for kind, payload in self._stream(prepared, sourced):
+                async for kind, payload in self._stream(p, sourced):
                     if kind == "tokens":
                         block, seen = _skip(payload, sent - seen), seen + _count(payload)
                         if block is None:
@@ -118,7 +139,7 @@ class RemoteVerifier:
                 self.requests_resent += 1
                 await asyncio.sleep(0.5)      # Ray is restarting the actor; calls made now queue behind it
 
-    async def _stream(self, prepared: Any, sourced: bool) -> AsyncIterator[tuple[str, Any]]:
+    async def _stream(self, prepared: Prepared, sourced: bool) -> AsyncIterator[tuple[str, Any]]:
         """One attempt: the actor's streaming generator, cancelled if the caller goes away."""
         from ray.exceptions import RayTaskError
 
@@ -143,6 +164,9 @@ class RemoteVerifier:
             if not finished:
                 ray.cancel(gen)
 
+    def check_capacity(self) -> None:
+        """Nothing to check here: the verifier's scheduler answers a full batch with a 429 at submit."""
+
     def load(self) -> tuple[int, int]:
         """(running, waiting) in the verifier; (0, 0) while it restarts."""
         try:
@@ -150,7 +174,11 @@ class RemoteVerifier:
         except Exception:   # noqa: BLE001 - a restarting actor must not break /healthz or /metrics
             return 0, 0
 
-    def refresh_index(self) -> None:
+    def health_problem(self) -> str | None:
+        """None: a verifier that died is restarted by Ray itself, and the replica stays healthy meanwhile."""
+        return None
+
+    def add_segments(self) -> None:
         """Best effort: the documents are already durable, and a verifier that is restarting reopens the
         index (its latest committed state) when it comes back, so a failed refresh must not fail the ingest."""
         try:
@@ -159,12 +187,12 @@ class RemoteVerifier:
             print(f"rasd: verifier index refresh failed ({type(exc).__name__}); it reopens on restart",
                   file=sys.stderr)
 
-    def info(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         try:
             info = ray.get(self.actor.info.remote(), timeout=5.0)
         except Exception:   # noqa: BLE001
             info = {"draft_workers": None}
-        return {"name": self.name, "requests_resent": self.requests_resent, **info}
+        return {"name": self._name, "requests_resent": self.requests_resent, **info}
 
     def close(self) -> None:
         """Let the verifier save its recycling matrix, then stop it."""

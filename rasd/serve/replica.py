@@ -161,9 +161,9 @@ class RasdServer:
         running, waiting = service.load()
         return {"replica": self.replica_id, "problem": service.health_problem(), "running": running,
                 "waiting": waiting, "index": None if service.index is None else str(service.index.root),
-                "torch_threads": None if service.scheduler is None else service.scheduler.loop_threads,
+                "torch_threads": service.backend.threads,
                 "omp": os.environ.get("OMP_NUM_THREADS"),
-                "verifier": None if service.verifier is None else service.verifier.name}
+                "verifier": service.backend.name}
 
     async def info(self) -> dict[str, Any]:
         return self.service.info()

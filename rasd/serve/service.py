@@ -1,46 +1,48 @@
-"""The service's request logic, independent of Ray: validate, build a per-request decoder, stream events.
+"""The service's request logic, independent of Ray: validate, search, ingest, and hand requests to a back-end.
 
-`Service` owns the target model, the index and one continuous-batching `Scheduler`: every running request
-shares the target's forwards. All of its torch work (loading, warm-up, query and document embedding, each
-request's decoder, the decoding steps) runs on one `ComputeThread` (see `rasd.decoding.runtime.compute` for why:
-two threads running torch made every decoding step up to 1.5x slower). The Serve deployment (`serve.py`)
-only maps HTTP onto these methods, so the logic can be tested and reused without an HTTP server.
+`Service` owns the target model (here: its tokenizer and limits), the index, and one `DecodingBackend` that decodes
+every request (`rasd.distributed.backend`): a `LocalBackend` (by default: a continuous-batching `Scheduler`
+in this process, every running request sharing the target's forwards) or a `RemoteBackend` (`--verifier-actor`:
+the same in a `TargetVerifier` Ray actor). It never asks which. Its torch work here (loading, query and
+document embedding, and with a local back-end every decoding step) runs on one `ComputeThread` (see
+`rasd.decoding.runtime.compute` for why: two threads running torch made every decoding step up to 1.5x
+slower). The Serve deployment (`replica.py`) only maps HTTP onto these methods, so the logic can be tested
+and reused without an HTTP server.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-import torch
-
-from rasd.apps.docqa import Source, fit_sources, scope_proposer
-from rasd.decoding.drafting.history import ResponseHistory
-from rasd.decoding.model.kernels import install
-from rasd.decoding.proposers import METHODS, RecyclingMatrix, method_spec
-from rasd.decoding.proposers.recycling import matrix_path
+from rasd.apps.docqa import Source, fit_sources
+from rasd.decoding.proposers import METHODS, method_spec
 from rasd.decoding.runtime.compute import ComputeThread
-from rasd.decoding.runtime.engine import GenerationOutput, build_decoder, vocab_size
-from rasd.decoding.runtime.prefix_cache import PrefixCache
-from rasd.decoding.runtime.scheduler import STALL_S, Overloaded, Scheduler
-from rasd.decoding.sizing.protocol import Sizer
+from rasd.decoding.runtime.engine import GenerationOutput, vocab_size
 from rasd.decoding.step.grammar import ll_tokenizer
 from rasd.decoding.step.sampling import SamplingParams
-from rasd.distributed.draft_worker import NAME_PREFIX, DraftPool, check_spec, worker_spec
+from rasd.distributed.backend import (
+    DecodingBackend,
+    DecodingSettings,
+    IndexHolder,
+    LocalBackend,
+    Prepared,
+    TokenBlock,
+    WarmUp,
+    sizer_state,
+    warm_start,
+)
 from rasd.errors import ApiError
 from rasd.serve.metrics import ServiceMetrics
 from rasd.text import encode_chat, has_chat_template
 
-log = logging.getLogger(__name__)
+__all__ = ["Prepared", "ServeConfig", "Service", "TokenBlock", "decoding_settings", "default_threads", "sizer_state",
+           "warm_start"]
 INGEST_LOCK_TIMEOUT_S = 60.0   # how long an ingest waits for another writer (CLI, another replica)
-SAVE_RECYCLING_EVERY = 16   # finished requests between saves of the recycling matrix (2.3 MB, atomic)
 
 
 @dataclass
@@ -58,7 +60,7 @@ class ServeConfig:
     max_batch: int = 8                    # requests decoded together (one shared forward per step)
     prefill_chunk: int = 0                # > 0: a joining request is prefilled this many tokens per step
     prefix_cache_mb: int = 1024           # K/V of prompt prefixes kept for later requests (0: off)
-    warm_methods: bool = True             # decode a few tokens of every method at start (`Service._warm_methods`)
+    warm_methods: bool = True             # decode a few tokens of every method at start (`Service._warm_prompts`)
     history_mb: int = 64                  # earlier answers kept as a drafting source (`history`; 0: off)
     max_waiting: int = 16                 # queued beyond the batch; more gets 429
     max_tokens_limit: int = 1024          # the largest max_tokens a request may ask for
@@ -83,191 +85,75 @@ class ServeConfig:
         return self.served_model_name or ("rasd-" + self.model if self.model == "default" else self.model)
 
 
-@dataclass
-class TokenBlock:
-    """A committed block as `Service.events(..., sourced=True)` hands it out."""
-
-    tokens: list[int]
-    sources: list[str]            # per token: "prefill", a draft source, or "bonus"
-    plain_step_s: float | None    # one plain decoding step at the current context (measured cost curve)
-    logprobs: list[Any] | None = None   # per token a `TokenLogprob`, when the request asked for them
+def decoding_settings(config: ServeConfig) -> DecodingSettings:
+    """The part of the configuration that decoding reads (what a verifier actor is started from)."""
+    return DecodingSettings(**{f.name: getattr(config, f.name) for f in fields(DecodingSettings)})
 
 
-@dataclass
-class Prepared:
-    """A validated request ready to decode."""
+def make_backend(config: ServeConfig, target: Any, compute: ComputeThread, indexes: IndexHolder) -> DecodingBackend:
+    """The one place that chooses where requests decode: in this process, or in a verifier actor."""
+    settings = decoding_settings(config)
+    if config.verifier_actor:
+        from rasd.distributed.verifier import RemoteBackend
 
-    prompt_ids: list[int]
-    method: str
-    max_tokens: int
-    sampling: SamplingParams
-    stop: list[str]
-    sources: list[Source] = field(default_factory=list)
-    logprobs: int | None = None   # alternatives per token's log-probability; None: none asked for
+        return RemoteBackend(settings, config.verifier_options)
+    return LocalBackend(settings, target, compute, indexes)
 
 
 class Service:
-    """Target model + index + scheduler; request handling shared by every HTTP endpoint."""
+    """Target model (tokenizer, limits) + index + a decoding back-end; request handling shared by every HTTP
+    endpoint."""
 
     def __init__(self, config: ServeConfig, decode_only: bool = False):
-        """`config.verifier_actor`: decoding runs in a `TargetVerifier` actor and this object keeps HTTP-side
-        work (validation, search, ingest). `decode_only`: this object *is* that actor's service."""
+        """`decode_only`: no search warm-up (a caller that brings prompts it built already)."""
         from rasd.decoding.model.loading import load_model
 
         self.config = config
         self.compute = ComputeThread(config.threads)
         self.target = self.compute.run(load_model, config.model, device=config.device, dtype=config.dtype,
                                        graphs=config.graphs)
-        self._index_stamp = manifest_stamp(config.index)
-        self.index = self.compute.run(self._open_index, config.index) if config.index else None
+        self.indexes = IndexHolder(config.index, self.target, self.compute, config.retrieval_shards)
         self._ingest_lock = threading.Lock()
-        self._reopen_lock = threading.Lock()
-        self._warm: dict[str, dict[str, Any]] = {}   # method -> what the last finished request's sizer learned
-        self._finished = 0
-        self.verifier: Any = None
-        self.draft = self.drafts = self.scheduler = self.recycling = self.history = None
-        if config.verifier_actor:
-            from rasd.distributed.verifier import RemoteVerifier
-
-            self.verifier = RemoteVerifier(config, Service)
-        else:
-            self.compute.run(self._start_decoding)
+        self.backend = make_backend(config, self.target, self.compute, self.indexes)
         self.metrics = ServiceMetrics(self.load)
-        self.compute.run(self._warm_up, search=not decode_only, forward=self.verifier is None)
+        if not decode_only and self.index is not None:
+            self._search("warm up", 1)    # loads the query embedder before the first request needs it
+        self.backend.start(self._warm_prompts())
         self.started = time.time()
 
-    def _start_decoding(self) -> None:
-        """Draft model, draft workers, recycling matrix and the scheduler: what decodes requests here."""
-        from rasd.decoding.model.loading import load_draft
+    @property
+    def index(self) -> Any:
+        """The index as this process last opened it (`self.indexes.fresh()` checks for a newer state)."""
+        return self.indexes.index
 
-        config = self.config
-        self.draft = load_draft(config.draft_model, self.target)
-        self.drafts = self._start_draft_workers() if config.draft_workers > 0 else None
-        prefix = PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb > 0 else None
-        self.scheduler = Scheduler(self.target.model, max_batch=config.max_batch, max_waiting=config.max_waiting,
-                                   compute=self.compute, prefill_chunk=config.prefill_chunk, prefix_cache=prefix,
-                                   step=self.target.step)
-        # Token Recycling's matrix is shared by every request (hot start) and outlives the process on disk.
-        self.recycling_path = matrix_path(self.target.name)
-        self.recycling = RecyclingMatrix.load_or_new(self.recycling_path, vocab_size(self.target.model))
-        # One history per service, so per index: answers drafted from it were written over these documents.
-        self.history = ResponseHistory(max_mb=config.history_mb) if config.history_mb > 0 else None
-
-    def _warm_up(self, search: bool, forward: bool) -> None:
-        """Load the query embedder and run the target once before the first request.
-
-        A fresh process pays for its first forward (allocator, kernel selection) and, lazily, for loading
-        the embedder: without this the first requests after a start are a second or more slower each. The
-        skinny-product forms (`kernels.install`, about a second of timings) are chosen here too, not inside
-        the first request's decoder.
-        """
-        if search and self.index is not None:
-            self._search("warm up", 1)
-        if forward:
-            install(self.target.model)
-            with torch.inference_mode():
-                ids = torch.tensor([self.encode_text("Warm up.")], device=self.target.model.device)
-                self.target.model(input_ids=ids)
-            if self.scheduler is not None and self.config.warm_methods:
-                self._warm_methods()
-
-    def _warm_methods(self) -> None:
-        """A few tokens of every method this service can run, at a chat-sized and a document-QA-sized prompt,
-        so no request pays a method's first-time set-up (the cost curves of those context lengths, measured
-        once per machine and cached; datastores; the recycling matrix; kernels)."""
+    def _warm_prompts(self) -> WarmUp:
+        """What the back-end warms every method at: a chat-sized prompt and, with an index, a document-QA-sized
+        one (built here, where the vector search is)."""
+        if not self.config.warm_methods:
+            return WarmUp()
         chat = (self.encode_chat([{"role": "user", "content": "Say hello."}])
                 if has_chat_template(self.target.tokenizer) else self.encode_text("Say hello."))
         docqa = self.docqa_prompt("How do I use this?", 4, 16)[0] if self.index is not None else None
-        for method in METHODS:
-            try:
-                method_spec(method).check(self.config.model, self.config.draft_model,
-                                          has_index=self.index is not None)
-            except ValueError:
-                continue                       # refused with a 400 anyway (untrained, no draft model)
-            long = method == self.config.docqa_method and docqa is not None
-            for ids in [chat, docqa] if long else [chat]:
-                prepared = Prepared(ids, method, 4, SamplingParams(), [])
-                stream = self._stream_for(prepared, warm=True)
-                for _ in stream:
-                    pass
-                finish_draft(stream)
+        return WarmUp(chat, docqa)
 
     def check_capacity(self) -> None:
         """429 before a request costs any work (tokenizing, vector search, building its decoder) when the
-        local scheduler is already full. A request that passes may still meet a full scheduler at submit
-        (others got there first): that too is a 429 (`events`). With a verifier actor the actor decides."""
-        if self.verifier is not None:
-            return
-        running, waiting = self.scheduler.load()
-        capacity = self.scheduler.max_batch + self.scheduler.max_waiting
-        if running + waiting >= capacity:
-            raise ApiError(429, f"the service is at capacity: {running} running, {waiting} waiting "
-                                f"(batch {self.scheduler.max_batch} + queue {self.scheduler.max_waiting}); "
-                                "retry later", "rate_limit_error")
+        back-end is already full."""
+        self.backend.check_capacity()
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests, wherever they decode."""
-        return self.verifier.load() if self.verifier is not None else self.scheduler.load()
+        return self.backend.load()
 
     def healthy(self) -> bool:
-        """False when the local scheduler thread has died or is stuck with work waiting (a verifier actor is
-        restarted by Ray itself)."""
+        """False when the compute thread has died or decoding is stuck with work waiting."""
         return not self.health_problem()
 
     def health_problem(self) -> str | None:
         """Why the service is unhealthy, or None."""
         if not self.compute.is_alive():
             return "the compute thread is not running"
-        if self.scheduler is not None and self.scheduler.stalled():
-            return f"requests are waiting and no decoding step finished for {STALL_S:g} s"
-        return None
-
-    def reopen_index(self) -> None:
-        """Serve the latest committed index state (after another process added documents)."""
-        if self.config.index:
-            stamp = manifest_stamp(self.config.index)
-            self.index = self.compute.run(self._open_index, self.config.index)
-            self._index_stamp = stamp
-
-    def fresh_index(self) -> Any:
-        """The index as any writer last committed it (a CLI `add` / `compact`, another replica): reopened
-        when its manifest changed since it was opened, so a request never serves a stale state. The old
-        Index object stays valid for requests already using it (its files are memory-mapped)."""
-        if self.index is not None and manifest_stamp(self.config.index) != self._index_stamp:
-            # never blocking: an ingest in progress waits on the compute thread, which may be the caller
-            if self._reopen_lock.acquire(blocking=False):
-                try:
-                    if manifest_stamp(self.config.index) != self._index_stamp:
-                        self.reopen_index()
-                finally:
-                    self._reopen_lock.release()
-        return self.index
-
-    def _open_index(self, path: str) -> Any:
-        from rasd.index.store import Index, check_tokenizer
-
-        if self.config.retrieval_shards > 0:
-            from rasd.distributed.retrieval import ShardedIndex
-
-            index: Any = ShardedIndex(path, self.config.retrieval_shards)
-        else:
-            index = Index.open(path)
-        check_tokenizer(index.manifest, self.target)
-        return index
-
-    def draft_worker_spec(self) -> str:
-        """What the draft workers load: the configured model, the draft model, else the EESD self-draft."""
-        return worker_spec(self.config.draft_worker_model, self.config.draft_model, self.config.model)
-
-    def _start_draft_workers(self) -> DraftPool:
-        """Named `rasd-draft-<i>` actors in namespace `rasd` (see rasd/distributed/draft_worker.py)."""
-        spec = self.draft_worker_spec()
-        check_spec(spec)
-        # one pool per replica: with several, each names its workers apart (rasd-draft-<tag>-<i>)
-        prefix = NAME_PREFIX if self.config.replicas <= 1 else f"{NAME_PREFIX}-{uuid.uuid4().hex[:6]}"
-        return DraftPool(spec, self.config.draft_workers, self.config.draft_worker_options,
-                         device=self.config.device, dtype=self.config.dtype, timeout_s=self.config.draft_timeout_s,
-                         name_prefix=prefix)
+        return self.backend.health_problem()
 
     # ------------------------------------------------------------------ validation
     def check_model(self, name: str | None) -> None:
@@ -350,7 +236,7 @@ class Service:
             raise ApiError(400, "this service has no index; start it with --index", param="question")
         if not question.strip():
             raise ApiError(400, "the question is empty", param="question")
-        self.fresh_index()
+        self.indexes.fresh()
         hits = self._search(question, top_k)
         sources = [Source.from_hit(h) for h in hits]
         budget = self.target.max_context - (max_tokens or 256) - 1
@@ -360,91 +246,12 @@ class Service:
             raise ApiError(400, str(exc), param="question") from exc
 
     # ------------------------------------------------------------------ decoding
-    def _stream_for(self, p: Prepared, warm: bool = False) -> Any:
-        spec = method_spec(p.method)
-        index = self.fresh_index() if spec.uses_index else self.index
-        datastores = index.datastores() if (index is not None and spec.uses_index) else None
-        extra = {"datastores": datastores} if datastores is not None else {}
-        if spec.uses_recycling:
-            extra["recycling"] = self.recycling
-        if spec.uses_history:          # the warm-up's answers go to a throwaway store, not the shared one
-            extra["history"] = ResponseHistory(max_mb=1) if warm or self.history is None else self.history
-        draft = self.draft
-        if spec.remote_draft and self.drafts is not None:   # the draft runs in a worker, not here
-            extra["draft_proposer"], draft = self.drafts.remote_draft(), None
-        heartbeat = None if self.scheduler is None else self.scheduler.beat
-        decoder = build_decoder(self.target, p.method, draft=draft, heartbeat=heartbeat, **extra)
-        warm_start(decoder.sizer, self._warm.get(p.method))
-        if p.sources and self.index is not None:
-            scope_proposer(decoder.proposer, self.index, p.sources)
-        return decoder.stream(p.prompt_ids, p.max_tokens, p.sampling, self.target.eos_token_ids, p.stop,
-                              logprobs=p.logprobs)
-
-    async def events(self, p: Prepared, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
-        """("tokens", block)... then ("done", GenerationOutput); the request leaves the batch if abandoned.
-
-        With `sourced`, or when the request asked for log-probabilities, each block comes as a `TokenBlock`
-        carrying every token's source (and log-probability).
-        """
-        if self.verifier is not None:
-            async for event in self.verifier.events(p, sourced):
-                yield event
-            return
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-        def sink(kind: str, payload: Any) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
-
-        stream = await self.compute.acall(self._stream_for, p)
-        try:
-            ticket = self.scheduler.submit(stream, sink)
-        except Overloaded as exc:
-            finish_draft(stream)
-            raise ApiError(429, f"the service is at capacity: {exc}", "rate_limit_error") from exc
-        except ValueError as exc:
-            finish_draft(stream)
-            raise ApiError(400, str(exc)) from exc
-        finished, seen = False, 0
-        try:
-            while True:
-                kind, payload = await queue.get()
-                if kind == "error":
-                    finished = True
-                    raise ApiError(500, f"decoding failed: {payload}", "server_error")
-                finished = kind == "done"
-                if finished:
-                    self._warm[p.method] = sizer_state(stream.decoder.sizer)
-                    self._finished += 1
-                    if self._finished % SAVE_RECYCLING_EVERY == 0:
-                        await asyncio.to_thread(self.save_recycling_quietly)
-                if (sourced or p.logprobs is not None) and kind == "tokens":
-                    # token_sources only grows, and a block's sources are appended before it is handed out
-                    part = slice(seen, seen + len(payload))
-                    sources = stream.token_sources[part]
-                    logprobs = None if stream.token_logprobs is None else stream.token_logprobs[part]
-                    seen += len(payload)
-                    payload = TokenBlock(list(payload), sources, stream.plain_step_s, logprobs)
-                yield kind, payload
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.scheduler.cancel(ticket)
-            finish_draft(stream)
-
-    def save_recycling(self) -> None:
-        """Persist the recycling matrix (atomic: a crash mid-save keeps the previous file)."""
-        self.recycling.save(self.recycling_path)
-
-    def save_recycling_quietly(self) -> None:
-        """`save_recycling` during a request: a full disk or a read-only home is a warning, never a failed
-        request (the matrix lives on in memory; the previous file stays as it was)."""
-        try:
-            self.save_recycling()
-        except Exception as exc:   # noqa: BLE001 - whatever the filesystem says, the answer was already made
-            log.warning("could not save the recycling matrix to %s (%s: %s)", self.recycling_path,
-                        type(exc).__name__, exc)
+    def events(self, p: Prepared, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
+        """("tokens", block)... then ("done", GenerationOutput): the back-end's own stream, handed out as it
+        is, so that closing it takes the request out of the batch at once. With `sourced`, or when the request
+        asked for log-probabilities, each block comes as a `TokenBlock` carrying every token's source (and
+        log-probability)."""
+        return self.backend.events(p, sourced)
 
     @staticmethod
     def choices(p: Prepared, n: int) -> list[Prepared]:
@@ -470,13 +277,11 @@ class Service:
                 "index": None if index is None else {"num_documents": index.num_documents,
                                                      "num_chunks": index.num_chunks},
                 "draft_workers": self.draft_stats(),
-                "verifier": None if self.verifier is None else self.verifier.name}
+                "verifier": self.backend.name}
 
     def draft_stats(self) -> dict[str, Any] | None:
         """The draft workers' counters wherever they run (in the verifier actor, or here); None without any."""
-        if self.verifier is not None:
-            return self.verifier.info()["draft_workers"]
-        return None if self.drafts is None else self.drafts.stats()
+        return self.backend.stats()["draft_workers"]
 
     # ------------------------------------------------------------------ documents
     def add_documents(self, docs: list[dict[str, Any]], idempotency_key: str | None = None) -> dict[str, Any]:
@@ -516,9 +321,8 @@ class Service:
             if hasattr(self.index, "refresh"):      # sharded: the shards reopen the new committed state
                 self.index.refresh()
                 index = self.index
-            self.index, self._index_stamp = index, manifest_stamp(self.config.index)
-            if self.verifier is not None:           # its token datastores must include the new segment
-                self.verifier.refresh_index()
+            self.indexes.replace(index)
+            self.backend.add_segments()             # its token datastores must include the new segment
         return {"added": index.num_documents - before, "num_documents": index.num_documents,
                 "num_chunks": index.num_chunks}
 
@@ -537,16 +341,9 @@ class Service:
                 "replayed": True}
 
     def close(self) -> None:
-        """Replica shutdown: stop the scheduler, keep what was recycled for the next start."""
-        if self.verifier is not None:
-            self.verifier.close()
-            self.compute.close()
-            return
-        self.scheduler.close()
+        """Replica shutdown: stop decoding (which keeps what was recycled for the next start)."""
+        self.backend.close()
         self.compute.close()
-        if self.drafts is not None:
-            self.drafts.close()
-        self.save_recycling_quietly()   # a read-only home must not turn a clean shutdown into a crash
 
 
 def idempotency_claim(key: str, docs: list[dict[str, Any]]) -> dict[str, str]:
@@ -560,41 +357,8 @@ def idempotency_claim(key: str, docs: list[dict[str, Any]]) -> dict[str, str]:
             "nonce": secrets.token_hex(8)}
 
 
-def manifest_stamp(index: str | None) -> tuple[int, int, int] | None:
-    """What changes when any writer commits the index (an atomic rename of its manifest): inode, size, mtime."""
-    if not index:
-        return None
-    try:
-        st = os.stat(os.path.join(index, "manifest.json"))
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def finish_draft(stream: Any) -> None:
-    """Free a finished request's draft state on its draft worker (a no-op for in-process drafts)."""
-    finish = getattr(getattr(stream.decoder.proposer, "draft", None), "finish", None)
-    if callable(finish):
-        finish()
-
-
 def default_threads(replicas: int = 1) -> int:
     """The node's cores shared by its replicas: one replica decodes for everyone (batching), so it should
     use them all; several split them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, replicas))
-
-
-def sizer_state(sizer: Sizer) -> dict[str, Any]:
-    """What a request's sizer learned (`Sizer.state`: for cost sizing, acceptance posteriors, latencies, overhead)."""
-    return sizer.state()
-
-
-def warm_start(sizer: Sizer, state: dict[str, Any] | None) -> None:
-    """Start a request's sizer from the last finished request's state instead of the prior.
-
-    Why: a fresh sizer spends its first steps trying trees the previous request already learned not to
-    try (docs/lab-notes/sizing.md, "service"). Only the decoding speed depends on it; the output never does.
-    """
-    if state:
-        sizer.load_state(state)

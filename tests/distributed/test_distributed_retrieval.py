@@ -156,7 +156,7 @@ def test_service_with_sharded_index_answers_like_in_process(ray_local: None, tmp
             out = asyncio.run(service.run(service.prepare(req, ids, "rasd", 24, sources)))
             answers[shards] = (ids, [(s.doc_id, s.chunk_id) for s in sources], out.token_ids)
         finally:
-            service.scheduler.close()
+            service.backend.scheduler.close()
             if shards:
                 service.index.close()
     assert answers[2] == answers[0]

@@ -273,10 +273,10 @@ def test_eesd_spec_builds_the_self_draft(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_service_config_names_the_worker_model() -> None:
-    from rasd.serve.service import ServeConfig, Service
+    from rasd.serve.service import ServeConfig, decoding_settings
 
     def spec(**kw: Any) -> str:
-        return Service.draft_worker_spec(SimpleNamespace(config=ServeConfig(**kw)))
+        return decoding_settings(ServeConfig(**kw)).draft_worker_spec()
 
     assert spec(model="m") == "eesd:m"                       # no EAGLE head for m: its self-draft
     assert spec(model="default") == "eagle:default"          # the shipped head, as `rasd` drafts in-process

@@ -102,7 +102,7 @@ def test_verifier_actor_gives_the_in_replica_tokens_and_sees_ingested_documents(
         shutil.copytree(built, root)
         service = Service(ServeConfig(model=folder, index=str(root), threads=1, verifier_actor=actor))
         try:
-            assert (service.verifier is not None) == actor and (service.scheduler is None) == actor
+            assert type(service.backend).__name__ == ("RemoteBackend" if actor else "LocalBackend")
             outs[actor] = [run(service, prompts[0])]
             added = service.add_documents([{"text": new_doc.text, "title": new_doc.title}])
             assert added["added"] == 1
@@ -138,7 +138,7 @@ def test_a_dead_verifier_is_restarted_and_greedy_requests_survive_it(
                                 logit_bias=no_eos)
     try:
         reference = run(service, greedy)
-        handle = verifier_handle(service.verifier.name)
+        handle = verifier_handle(service.backend.name)
         ids = service.encode_text(greedy.prompt)
 
         async def one(p: Any, first: asyncio.Event) -> tuple[str, list[int]]:
@@ -169,7 +169,7 @@ def test_a_dead_verifier_is_restarted_and_greedy_requests_survive_it(
         assert outcomes[0][1], "the sampled request had streamed tokens before the kill"
         for status, tokens in outcomes[1:]:
             assert status == "done" and tokens == reference
-        assert service.verifier.info()["requests_resent"] >= 4
+        assert service.backend.stats()["requests_resent"] >= 4
         assert run(service, greedy) == reference
     finally:
         service.close()
