@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import types
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -140,7 +140,7 @@ class ServeConfig:
         from rasd.errors import CliError
 
         given = vars(args)
-        values = {f.name: given[f.name] for f in fields(cls) if f.metadata["flag"] or f.name == "graphs"}
+        values = {name: given[name] for name in cls.names() if name in given}   # --no-graphs has dest graphs
         values["limits"] = cli_limits(args.limit)
         values.update(verifier_values(args.verifier_gpus, args.verifier_resources, values["verifier_actor"]))
         workers = parse_resources(args.draft_worker_resources, "--draft-worker-resources", '{"rasd_draft": 1}')
@@ -193,9 +193,6 @@ class ServeConfig:
         the thread count filled in; done once, by whoever builds the app."""
         threads = self.threads if self.threads is not None else default_threads(self.replicas)
         return replace(self, api_key=resolve_api_key(self.api_key), threads=threads)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def default_threads(replicas: int = 1) -> int:

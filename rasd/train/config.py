@@ -37,7 +37,7 @@ class TrainConfig:
     data: str = option("builtin", "JSONL(.gz) prompts or `builtin`")
     out: Path | None = option(None, "where the weights go (default under $RASD_HOME)")
     device: str = option("cpu", "torch device of the target while training")
-    seed: int = option(0, "seed of the data order and the initial weights")
+    seed: int = option(0, "random seed (data order, sampled answers, initial weights)")
 
     @classmethod
     def add_parser(cls, sub: Any, run: Any) -> argparse.ArgumentParser:
