@@ -134,13 +134,13 @@ def test_serve_limits_out_of_range_give_one_line_error_before_ray_starts(
 
 
 def test_serve_config_checks_its_limits() -> None:
-    from rasd.serve.app import check_config
+    from rasd.serve.config import ServeConfig
 
-    check_config({"max_batch": 8, "prefix_cache_mb": 0})
+    assert ServeConfig.from_dict({"max_batch": 8, "prefix_cache_mb": 0}).prefix_cache_mb == 0
     with pytest.raises(ValueError, match="prefix_cache_mb must be >= 0"):
-        check_config({"prefix_cache_mb": -5})
-    with pytest.raises(ValueError, match="unknown serve config keys: modle"):
-        check_config({"modle": "default"})
+        ServeConfig.from_dict({"prefix_cache_mb": -5})
+    with pytest.raises(ValueError, match="serve config has unknown keys: modle"):
+        ServeConfig.from_dict({"modle": "default"})
 
 
 def test_stop_waits_for_serve_only_as_long_as_its_bound() -> None:

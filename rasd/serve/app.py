@@ -1,5 +1,6 @@
-"""The Ray Serve app: config (`ServeConfig`), builder (`build_app`, also the `serve run serve_config.yaml`
-entry point) and the `rasd serve` command, kept apart from the deployments like `ray.serve.llm`.
+"""The Ray Serve app: builder (`build_app`, also the `serve run serve_config.yaml` entry point) and the `rasd
+serve` command, kept apart from the deployments and from their config (`serve.config.ServeConfig`) like
+`ray.serve.llm`.
 
 The app is two deployments: the HTTP ingress (`serve.ingress.RasdIngress`, no model) and the model replicas
 (`serve.replica.RasdServer`, `num_replicas` of them), joined by a deployment handle whose request router is
@@ -15,63 +16,20 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from ray import serve
 
-from rasd.serve.auth import resolve_api_key
+from rasd.serve.config import ServeConfig
 from rasd.serve.ingress import RasdIngress
-from rasd.serve.limits import Limits
 from rasd.serve.loopback import is_single_machine, loopback_env, single_machine_ray
 from rasd.serve.replica import RasdServer
-from rasd.serve.service import ServeConfig, default_threads
 
 APP_NAME = "rasd"
 
 
 # ---------------------------------------------------------------------------------------------- builder
-
-
-# The smallest value each numeric limit may take (a replica given less would fail while starting).
-CONFIG_MINIMUMS = {"replicas": 1, "max_batch": 1, "max_waiting": 0, "max_tokens_limit": 1, "prefill_chunk": 0,
-                   "prefix_cache_mb": 0, "history_mb": 0, "retrieval_shards": 0, "draft_workers": 0}
-
-
-def check_config(args: dict[str, Any]) -> None:
-    """Raise ValueError for unknown keys or out-of-range limits, before any Ray process starts."""
-    unknown = sorted(set(args) - {f.name for f in fields(ServeConfig)})
-    if unknown:
-        raise ValueError(f"unknown serve config keys: {', '.join(unknown)}")
-    check_limits(args.get("limits") or {})
-    check_router(args.get("router") or {})
-    for key, low in CONFIG_MINIMUMS.items():
-        if args.get(key) is not None and int(args[key]) < low:
-            raise ValueError(f"{key} must be >= {low} (got {args[key]})")
-
-
-def app_args(args: dict[str, Any] | None) -> dict[str, Any]:
-    """The replica's config: checked, with the key resolved here (the `RASD_API_KEY` of whoever builds the
-    app applies, not only one the replica's own environment happens to hold) and threads filled in."""
-    args = dict(args or {})
-    check_config(args)
-    args["api_key"] = resolve_api_key(args.get("api_key"))
-    if args.get("threads") is None:
-        args["threads"] = default_threads(int(args.get("replicas") or 1))
-    return args
-
-
-def check_limits(limits: dict[str, Any]) -> None:
-    """ValueError for a limit name `Limits` does not have, or a value that is not a positive integer."""
-    if not isinstance(limits, dict):
-        raise ValueError("limits must be a mapping of limit names to positive integers")
-    unknown = sorted(set(limits) - set(Limits.names()))
-    if unknown:
-        raise ValueError(f"unknown limits: {', '.join(unknown)} (known: {', '.join(Limits.names())})")
-    for name, value in limits.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"limit {name} must be a positive integer (got {value!r})")
 
 
 def router_config(options: dict[str, Any] | None = None) -> Any:
@@ -83,144 +41,27 @@ def router_config(options: dict[str, Any] | None = None) -> Any:
     return RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs=dict(options or {}))
 
 
-ROUTER_OPTIONS = ("imbalance", "max_keys", "block_chars")
-
-
-def check_router(options: Any) -> None:
-    """ValueError for router options `PrefixAffinityRouter.initialize_state` does not take."""
-    if not isinstance(options, dict):
-        raise ValueError("router must be a mapping of router options to integers")
-    unknown = sorted(set(options) - set(ROUTER_OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown router options: {', '.join(unknown)} (known: {', '.join(ROUTER_OPTIONS)})")
-    for name, value in options.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "imbalance" else 1):
-            raise ValueError(f"router option {name} must be a {'non-negative' if name == 'imbalance' else 'positive'}"
-                             f" integer (got {value!r})")
-
-
-def build_app(args: dict[str, Any] | None = None, replica_cpus: float | None = None) -> Any:
-    """The Serve application for a config dict (`serve run serve_config.yaml` calls this with its `args`).
+def build_app(config: ServeConfig | dict[str, Any] | None = None, replica_cpus: float | None = None) -> Any:
+    """The Serve application for a config (`serve run serve_config.yaml` calls this with its `args` dict, which
+    `ServeConfig.from_dict` checks and resolves; `rasd serve` passes the `ServeConfig` of its flags).
 
     `num_replicas` / `autoscaling_config` may also be set the Ray Serve way, per deployment (`RasdServer`) in
     serve_config.yaml's `deployments:`; `replica_cpus` overrides the CPUs each replica reserves.
     """
-    args = app_args(args)
-    threads = int(args["threads"])
+    if not isinstance(config, ServeConfig):
+        config = ServeConfig.from_dict(config)
     # a replica gets as many CPUs as it runs threads (Ray would otherwise pin it to one, OMP_NUM_THREADS=1);
     # with a verifier actor the replica only serves HTTP, and the actor sets its torch threads itself
-    cpus = replica_cpus if replica_cpus is not None else 0 if args.get("verifier_actor") else threads
+    cpus = replica_cpus if replica_cpus is not None else 0 if config.verifier_actor else config.threads
     options: dict[str, Any] = {"ray_actor_options": {"num_cpus": cpus},
-                               "request_router_config": router_config(args.get("router"))}
-    if int(args.get("replicas") or 1) > 1:      # else Serve's default, which serve_config.yaml may override
-        options["num_replicas"] = int(args["replicas"])
+                               "request_router_config": router_config(config.router)}
+    if config.replicas > 1:      # else Serve's default, which serve_config.yaml may override
+        options["num_replicas"] = config.replicas
     replicas = RasdServer.options(**options)
-    return RasdIngress.bind(replicas.bind(args), args)
+    return RasdIngress.bind(replicas.bind(config), config)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-
-
-def config_from_args(args: Any) -> dict[str, Any]:
-    index = args.index
-    if index == "sample":
-        from rasd.apps.sample_corpus import ensure_sample_index
-
-        index = str(ensure_sample_index(args.model))   # built here, once, not inside the replica
-    return {"model": args.model, "index": index, "draft_model": args.draft_model, "device": args.device,
-            "dtype": args.dtype, "graphs": not getattr(args, "no_graphs", False), "method": args.method,
-            "docqa_method": args.docqa_method,
-            "max_batch": args.max_batch, "prefill_chunk": getattr(args, "prefill_chunk", 0),
-            "prefix_cache_mb": getattr(args, "prefix_cache_mb", ServeConfig.prefix_cache_mb),
-            "history_mb": getattr(args, "history_mb", ServeConfig.history_mb),
-            "max_waiting": args.max_waiting, "max_tokens_limit": args.max_tokens_limit,
-            "api_key": _cli_api_key(args.api_key), "limits": _cli_limits(getattr(args, "limit", None)),
-            "threads": args.threads or default_threads(getattr(args, "replicas", 1)),
-            "replicas": getattr(args, "replicas", 1),
-            "retrieval_shards": getattr(args, "retrieval_shards", 0), **draft_worker_config(args),
-            **verifier_config(args)}
-
-
-def _cli_api_key(flag: str | None) -> str | None:
-    """`--api-key`, else `RASD_API_KEY` of this shell: resolved here and passed in the config, so the key
-    applies even when the replica runs on a Ray started elsewhere, with another environment."""
-    from rasd.errors import CliError
-
-    try:
-        return resolve_api_key(flag)
-    except ValueError as exc:
-        raise CliError(str(exc)) from exc
-
-
-def _cli_limits(pairs: list[str] | None) -> dict[str, int]:
-    """`--limit NAME=VALUE` (repeatable) as the `limits` mapping; a one-line error for a malformed pair."""
-    from rasd.errors import CliError
-
-    limits: dict[str, int] = {}
-    for pair in pairs or []:
-        name, sep, value = pair.partition("=")
-        if not sep or not value.strip().isdigit():
-            raise CliError(f"--limit takes NAME=INTEGER (got {pair!r}); names: {', '.join(Limits.names())}")
-        limits[name.strip()] = int(value)
-    return limits
-
-
-def verifier_config(args: Any) -> dict[str, Any]:
-    """`--verifier-actor`, `--verifier-gpus`, `--verifier-resources` as ServeConfig keys (either of the
-    last two implies the first)."""
-    resources = parse_resources(getattr(args, "verifier_resources", None), "--verifier-resources",
-                                '{"rasd_verifier": 1}')
-    gpus = getattr(args, "verifier_gpus", None)
-    options: dict[str, Any] = {}
-    if gpus is not None:
-        from rasd.errors import CliError
-
-        if gpus < 0:
-            raise CliError("--verifier-gpus must be >= 0")
-        options["num_gpus"] = gpus
-    if resources:
-        options["resources"] = resources
-    return {"verifier_actor": bool(getattr(args, "verifier_actor", False) or options), "verifier_options": options}
-
-
-def parse_resources(text: str | None, flag: str, example: str) -> dict[str, float] | None:
-    """A JSON object of Ray custom resources from a CLI flag; a one-line CliError otherwise."""
-    import json
-
-    from rasd.errors import CliError
-
-    if not text:
-        return None
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"{flag} is not JSON: {exc}") from exc
-    if not isinstance(parsed, dict):
-        raise CliError(f"{flag} must be a JSON object, e.g. '{example}'")
-    return parsed
-
-
-def draft_worker_config(args: Any) -> dict[str, Any]:
-    """The draft-worker keys of ServeConfig from `--draft-workers`, `--draft-worker-model/-resources`."""
-    from rasd.errors import CliError
-
-    workers = getattr(args, "draft_workers", 0) or 0
-    if workers < 0:
-        raise CliError("--draft-workers must be >= 0")
-    worker_model = getattr(args, "draft_worker_model", None)
-    if workers:
-        from rasd.distributed.draft_worker import check_spec, worker_spec
-
-        try:
-            check_spec(worker_spec(worker_model, args.draft_model, args.model))
-        except ValueError as exc:
-            raise CliError(str(exc)) from exc
-    config: dict[str, Any] = {"draft_workers": workers, "draft_worker_model": worker_model}
-    parsed = parse_resources(getattr(args, "draft_worker_resources", None), "--draft-worker-resources",
-                             '{"rasd_draft": 1}')
-    if parsed:
-        config["draft_worker_options"] = {"resources": parsed}
-    return config
 
 
 # Ray Serve's controller runs its control loop every 0.1 s by default: 3-4% of a core on an idle 2-core
@@ -249,14 +90,8 @@ def run_serve(args: Any) -> int:
 
     if args.stop:
         return stop_detached()
-    if args.index and args.index != "sample" and not os.path.isdir(args.index):
-        raise CliError(f"index folder not found: {args.index}")
-    config = config_from_args(args)
-    try:
-        check_config(config)
-    except ValueError as exc:
-        raise CliError(str(exc).replace("_", "-")) from exc
-    ray_host = getattr(args, "ray_host", LOOPBACK)
+    config = ServeConfig.from_args(args)      # checked before any Ray process starts
+    ray_host = args.ray_host
     if args.detach and not args.address:
         ensure_local_cluster(ray_host, args.host, args.port)
         address: str | None = "auto"
@@ -278,8 +113,8 @@ def run_serve(args: Any) -> int:
                        f"it is not (logs: /tmp/ray/session_latest/logs/serve/); stop leftovers with "
                        f"`rasd serve --stop`") from exc
     url = f"http://{args.host}:{args.port}"
-    _warn_open(args.host, config["api_key"])
-    print(f"rasd is serving {config['model']} at {url}  (OpenAI API under {url}/v1, docs at {url}/docs)", flush=True)
+    _warn_open(args.host, config.api_key)
+    print(f"rasd is serving {config.model} at {url}  (OpenAI API under {url}/v1, docs at {url}/docs)", flush=True)
     if args.detach:
         print("detached: stop it with `rasd serve --stop` (or `make stop`)", flush=True)
         return 0

@@ -20,6 +20,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from rasd.serve.auth import ApiKeyMiddleware, resolve_api_key
+from rasd.serve.config import ServeConfig
 from rasd.serve.limits import BodyLimitMiddleware, Limits, check_chat, check_documents, check_prompt, check_question
 from rasd.serve.metrics import CONTENT_TYPE, merge_metrics, router_metrics
 from rasd.serve.openai import (
@@ -31,7 +32,6 @@ from rasd.serve.openai import (
     error_body,
 )
 from rasd.serve.router import shared_state
-from rasd.serve.service import ServeConfig
 from rasd.serve.web import static_file
 
 REPLICA_HEADER = "X-Rasd-Replica"      # which replica answered (a chat's turns should share one)
@@ -125,8 +125,10 @@ class RelayResponse(StreamingResponse):
 class RasdIngress:
     """The HTTP face of the service; `replicas` is the handle of the model replicas."""
 
-    def __init__(self, replicas: Any, config: dict[str, Any]):
-        self.config = ServeConfig(**config)
+    def __init__(self, replicas: Any, config: ServeConfig):
+        """`config` comes checked and resolved from `build_app`; the key is looked up once more here so that one
+        only this replica's environment holds (e.g. a runtime_env) applies too, never less than the builder's."""
+        self.config = config
         self.replicas = replicas
         self.api_key = resolve_api_key(self.config.api_key)
         self.limits = Limits(**self.config.limits)

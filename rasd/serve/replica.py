@@ -22,6 +22,7 @@ from typing import Any
 
 from ray import serve
 
+from rasd.serve.config import ServeConfig
 from rasd.serve.openai import (
     FINISH_REASONS,
     ApiError,
@@ -35,7 +36,7 @@ from rasd.serve.openai import (
     usage,
     usage_chunk,
 )
-from rasd.serve.service import Prepared, ServeConfig, Service
+from rasd.serve.service import Prepared, Service
 from rasd.text import Detokenizer, SourcedText
 
 
@@ -138,8 +139,8 @@ async def _merged(streams: list[AsyncIterator[tuple[str, Any]]]) -> AsyncIterato
 class RasdServer:
     """One replica: the target model, the index and the continuous-batching scheduler (see `Service`)."""
 
-    def __init__(self, config: dict[str, Any]):
-        self.config = ServeConfig(**config)
+    def __init__(self, config: ServeConfig):
+        self.config = config           # checked and resolved by `build_app` (`ServeConfig.from_dict/from_args`)
         self.service = Service(self.config)
         self.replica_id = _replica_id()
 

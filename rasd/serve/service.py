@@ -12,11 +12,10 @@ and reused without an HTTP server.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
 from rasd.apps.docqa import Source, fit_sources
@@ -37,52 +36,13 @@ from rasd.distributed.backend import (
     warm_start,
 )
 from rasd.errors import ApiError
+from rasd.serve.config import ServeConfig
 from rasd.serve.metrics import ServiceMetrics
 from rasd.text import encode_chat, has_chat_template
 
-__all__ = ["Prepared", "ServeConfig", "Service", "TokenBlock", "decoding_settings", "default_threads", "sizer_state",
+__all__ = ["Prepared", "ServeConfig", "Service", "TokenBlock", "decoding_settings", "sizer_state",
            "warm_start"]
 INGEST_LOCK_TIMEOUT_S = 60.0   # how long an ingest waits for another writer (CLI, another replica)
-
-
-@dataclass
-class ServeConfig:
-    """Everything a replica needs; plain values so that it travels through Ray and YAML unchanged."""
-
-    model: str = "default"
-    index: str | None = None              # an index folder (`rasd index build`), or None for no documents
-    draft_model: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    graphs: bool = True                   # CUDA: verify in captured static shapes (False: eager forwards)
-    method: str = "pld"                   # default for /v1/completions and /v1/chat/completions
-    docqa_method: str = "rasd"            # default for /v1/docqa
-    max_batch: int = 8                    # requests decoded together (one shared forward per step)
-    prefill_chunk: int = 0                # > 0: a joining request is prefilled this many tokens per step
-    prefix_cache_mb: int = 1024           # K/V of prompt prefixes kept for later requests (0: off)
-    warm_methods: bool = True             # decode a few tokens of every method at start (`Service._warm_prompts`)
-    history_mb: int = 64                  # earlier answers kept as a drafting source (`history`; 0: off)
-    max_waiting: int = 16                 # queued beyond the batch; more gets 429
-    max_tokens_limit: int = 1024          # the largest max_tokens a request may ask for
-    max_prompt_tokens: int | None = None  # default: the model's context minus room for one token
-    limits: dict[str, int] = field(default_factory=dict)   # request size limits (`limits.Limits` names)
-    retrieval_shards: int = 0             # > 0: the index is served by this many RetrievalShard actors
-    draft_workers: int = 0                # > 0: `rasd` requests draft in this many DraftWorker actors
-    draft_worker_model: str | None = None  # their model; default draft_model, else "eesd:<model>" (self-draft)
-    draft_worker_options: dict[str, Any] = field(default_factory=dict)  # Ray actor options, e.g. resources
-    draft_timeout_s: float = 2.0          # a draft call slower than this counts as "no draft"
-    verifier_actor: bool = False          # decode in a TargetVerifier actor instead of the HTTP replica
-    verifier_options: dict[str, Any] = field(default_factory=dict)  # its Ray options (num_gpus, resources)
-    api_key: str | None = None
-    threads: int | None = None            # torch threads in the replica (Ray sets OMP_NUM_THREADS=1)
-    replicas: int = 1                     # model replicas behind the one endpoint (Serve's num_replicas)
-    router: dict[str, Any] = field(default_factory=dict)  # prefix router options (`PrefixAffinityRouter`)
-    served_model_name: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or ("rasd-" + self.model if self.model == "default" else self.model)
 
 
 def decoding_settings(config: ServeConfig) -> DecodingSettings:
@@ -356,9 +316,3 @@ def idempotency_claim(key: str, docs: list[dict[str, Any]]) -> dict[str, str]:
     return {"key": hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest(), "body": body.hexdigest(),
             "nonce": secrets.token_hex(8)}
 
-
-def default_threads(replicas: int = 1) -> int:
-    """The node's cores shared by its replicas: one replica decodes for everyone (batching), so it should
-    use them all; several split them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, replicas))

@@ -22,18 +22,6 @@ BUILTIN = "builtin"
 SHAREGPT = Path("sharegpt") / "sharegpt_v3_first4000.jsonl.gz"
 
 
-def check_numbers(args: Any, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:
-    """Numeric options refused in one line before any data or model is read (unset ones are skipped).
-
-    Why: `rasd train eagle --steps -1` used to compute 20 minutes of target features before failing."""
-    for names, ok, wanted in ((positive, lambda v: v > 0, "a positive number"),
-                              (non_negative, lambda v: v >= 0, "zero or more")):
-        for name in names:
-            value = getattr(args, name, None)
-            if value is not None and not ok(value):
-                raise ValueError(f"--{name.replace('_', '-')} {value}: give {wanted}")
-
-
 def shared_data() -> Path:
     """Where the team's benchmark data lives: $RASD_DATA, else ../shared/data (read in place, never copied)."""
     return Path(os.environ.get("RASD_DATA", "../shared/data"))

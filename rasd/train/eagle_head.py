@@ -18,7 +18,6 @@ tokens, equal to the target's greedy token: what an EAGLE tree's level d gets ac
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import math
@@ -35,12 +34,10 @@ from tqdm import tqdm
 from rasd.decoding.model import fast_forward
 from rasd.decoding.model.eagle_head import EagleHead, save_head
 from rasd.decoding.model.features import FinalNormTap, final_norm
-from rasd.train.common import check_numbers, greedy_continuations, model_fingerprint, write_json
+from rasd.train.common import greedy_continuations, model_fingerprint, write_json
+from rasd.train.config import EagleConfig
 
 DEPTHS = 4
-# A long-window answer is trained from its prompt's last this-many tokens on, as a 32-token window's whole is: the
-# document before them is context the head attends to, not text it will draft.
-LOSS_PROMPT_TAIL = 32
 SAMPLE_SEED_STRIDE = 1_000_003   # draw k of a prompt chunk is seeded seed + chunk start + k * this: no two meet
 
 
@@ -81,7 +78,7 @@ def user_turns(row: dict, turns: tuple[int, ...] = (1,)) -> list[str]:
 def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path | None, window: int = 32,
                      batch: int = 128, turns: tuple[int, ...] = (1,), gen_dtype: str = "float32",
                      temperature: float = 0.0, seed: int = 0, samples: int = 1, taps: tuple[int, ...] = (),
-                     limit: int | None = None, long_windows: tuple[int, ...] = ()) -> dict[str, Any]:
+                     limit: int | None = None) -> dict[str, Any]:
     """The target's answers (greedy, or sampled at `temperature`) to each conversation's user turns `turns`
     (default the first), with their features (EAGLE-3's data).
 
@@ -97,10 +94,7 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     cached chunks are reused). `taps`: the features carry those layers too (a fused head's; cached apart; a
     chunk cached without them gets them from one teacher forward of its text). `limit`: only the first this many
     prompts (in turn order), so a run can stop at the chunks a budget allows and a longer one extends it.
-    `long_windows`: also answer every prompt at least that long from its last that-many tokens (once, sampled as
-    draw 0 is), so the head learns to draft beside a document in the prompt, as document QA has it.
-    Returns what `extract_features` does: {"tokens": [list], "feats": [fp16 [n_i, H]], "counts": [vocab]}, and
-    "loss_from" [int]: per answer, the first position trained on (the last `LOSS_PROMPT_TAIL` prompt tokens on).
+    Returns what `extract_features` does: {"tokens": [list], "feats": [fp16 [n_i, H]], "counts": [vocab]}.
     """
     from rasd.train.common import prompt_windows
 
@@ -108,30 +102,17 @@ def regenerated_data(target: Any, rows: list[dict], gen_tokens: int, cache: Path
     windows = prompt_windows(target.tokenizer, prompts, window)[:limit]
     eos = sorted(set(target.eos_token_ids or ()))
     vocab = target.model.get_output_embeddings().weight.shape[0]
-    out: dict[str, Any] = {"tokens": [], "feats": [], "counts": torch.zeros(vocab, dtype=torch.long), "loss_from": []}
+    out: dict[str, Any] = {"tokens": [], "feats": [], "counts": torch.zeros(vocab, dtype=torch.long)}
     _check_samples(samples, temperature)
     model = _generation_copy(target.model, gen_dtype)
-    sets = [(windows, samples)] + [(_long_windows(target.tokenizer, prompts, w), 1) for w in long_windows]
-    chunks = [(set_windows, draw, s) for set_windows, draws in sets for draw in range(draws)
-              for s in range(0, len(set_windows), batch)]
-    for set_windows, draw, s in tqdm(chunks, desc=f"answers with features ({batch} a chunk)", unit="chunk"):
-        part = _answers_chunk(model, set_windows[s: s + batch], gen_tokens, eos, cache, temperature,
+    chunks = [(draw, s) for draw in range(samples) for s in range(0, len(windows), batch)]
+    for draw, s in tqdm(chunks, desc=f"answers with features ({batch} a chunk)", unit="chunk"):
+        part = _answers_chunk(model, windows[s: s + batch], gen_tokens, eos, cache, temperature,
                               seed + s + draw * SAMPLE_SEED_STRIDE, taps)
         out["tokens"] += part["tokens"]
         out["feats"] += part["feats"]
         out["counts"] += part["counts"]
-        out["loss_from"] += [max(0, set_windows.shape[1] - LOSS_PROMPT_TAIL)] * len(part["tokens"])
     return out
-
-
-def _long_windows(tokenizer: Any, prompts: list[str], length: int) -> torch.Tensor:
-    """[K, length] windows of the prompts that have `length` tokens ([0, length] when none has)."""
-    from rasd.train.common import prompt_windows
-
-    try:
-        return prompt_windows(tokenizer, prompts, length)
-    except ValueError:
-        return torch.zeros(0, length, dtype=torch.long)
 
 
 def _check_samples(samples: int, temperature: float) -> None:
@@ -318,10 +299,9 @@ def draft_vocabulary(counts: torch.Tensor, size: int, always: set[int] | None = 
     return counts.topk(size).indices.sort().values
 
 
-def _batch(tokens: list[list[int]], feats: list[torch.Tensor], idx: list[int], loss_from: list[int] | None = None
+def _batch(tokens: list[list[int]], feats: list[torch.Tensor], idx: list[int]
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [B, T], feats [B, T, H] (float32), valid [B, T] for sequences idx, right-padded; a sequence's positions
-    before its `loss_from` are read (attended to), not trained on."""
+    """ids [B, T], feats [B, T, H] (float32), valid [B, T] for sequences idx, right-padded."""
     width = max(len(tokens[i]) for i in idx)
     hidden = feats[idx[0]].shape[-1]
     ids = torch.zeros(len(idx), width, dtype=torch.long)
@@ -329,8 +309,7 @@ def _batch(tokens: list[list[int]], feats: list[torch.Tensor], idx: list[int], l
     valid = torch.zeros(len(idx), width, dtype=torch.bool)
     for j, i in enumerate(idx):
         n = len(tokens[i])
-        start = loss_from[i] if loss_from is not None else 0
-        ids[j, :n], f[j, :n], valid[j, start:n] = torch.tensor(tokens[i]), feats[i].float(), True
+        ids[j, :n], f[j, :n], valid[j, :n] = torch.tensor(tokens[i]), feats[i].float(), True
     return ids, f, valid
 
 
@@ -504,10 +483,8 @@ def _lr(step: int, steps: int, lr: float) -> float:
 
 def train_head(head: EagleHead, tokens: list[list[int]], feats: list[torch.Tensor], steps: int, batch: int = 8,
                lr: float = 1e-3, noise: float = 0.05, w_cls: float = 1.0, seed: int = 0,
-               checkpoint: Path | None = None, progress: bool = True, ttt: bool = False,
-               loss_from: list[int] | None = None) -> dict[str, Any]:
-    """Optimise fc + layer on the stored features; resumable from `checkpoint` (same settings). `loss_from`: per
-    sequence, the first position trained on (those before are context only)."""
+               checkpoint: Path | None = None, progress: bool = True, ttt: bool = False) -> dict[str, Any]:
+    """Optimise fc + layer on the stored features; resumable from `checkpoint` (same settings)."""
     params = [p for p in head.parameters() if p.requires_grad]
     device = _device_of(head)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -526,7 +503,7 @@ def train_head(head: EagleHead, tokens: list[list[int]], feats: list[torch.Tenso
                disable=not progress)
     for step in bar:
         idx = torch.randint(len(tokens), (min(batch, len(tokens)),), generator=order).tolist()
-        ids, f, valid = (t.to(device) for t in _batch(tokens, feats, idx, loss_from))
+        ids, f, valid = (t.to(device) for t in _batch(tokens, feats, idx))
         loss, parts = head_loss(head, ids, f, valid, noise, w_cls, gen, ttt)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -564,66 +541,7 @@ def held_out_set(target: torch.nn.Module, prompts: torch.Tensor, gen_tokens: int
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("eagle", help="train the target's EAGLE draft head on its own features")
-    p.add_argument("--model", default="default", help="target: HF hub id, local path or `default`")
-    p.add_argument("--data", default="builtin",
-                   help="JSONL(.gz) of conversations (ShareGPT `conversations`) or `builtin` (ShareGPT from "
-                        "../shared/data when present, else the CPython language reference, offline)")
-    p.add_argument("--out", type=Path, default=None, help="default: $RASD_HOME/eagle/<model>.safetensors")
-    p.add_argument("--seqs", type=int, default=2000, help="training conversations")
-    p.add_argument("--seq-len", type=int, default=384, help="tokens per conversation (its first ones)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
-    p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--noise", type=float, default=0.05, help="uniform noise on input features (EAGLE)")
-    p.add_argument("--cls-weight", type=float, default=1.0, help="weight of the cross-entropy beside the L1")
-    p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="restrict the head's output to the target's N most written tokens (0 = all)")
-    p.add_argument("--regenerate", type=int, default=0, metavar="TOKENS",
-                   help="train on the target's own answers (this many tokens) to the conversations' user turns "
-                        "(--turns; greedy, or sampled with --temperature) instead of the conversations as they are: "
-                        "EAGLE-3's data, what the head will draft")
-    p.add_argument("--turns", default="1",
-                   help="with --regenerate: which user turns of each conversation are prompts, 1-based and comma "
-                        "separated (`2` continues a head trained on the first turns on prompts it never saw)")
-    p.add_argument("--gen-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="with --regenerate: write the answers with a copy of the target in this dtype (bfloat16: "
-                        "several times faster on AMX CPUs and GPUs; the text is that copy's own)")
-    p.add_argument("--gen-batch", type=int, default=128,
-                   help="with --regenerate: answers written at once (and cached together); bigger batches run "
-                        "faster where memory allows")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="with --regenerate: sample the answers at this temperature (seeded by --seed) instead of "
-                        "greedy: more distinct text from the same prompts")
-    p.add_argument("--samples", type=int, default=1,
-                   help="with --regenerate and --temperature: answers drawn per prompt (each with its own seed): "
-                        "more training text from the same conversations")
-    p.add_argument("--max-answers", type=int, default=None,
-                   help="with --regenerate: answer only the first N prompts of --turns (per draw); a multiple of "
-                        "--gen-batch keeps the cached chunks a longer run reuses")
-    p.add_argument("--long-windows", default="",
-                   help="with --regenerate: also answer every prompt at least N tokens long from its last N tokens "
-                        "(comma separated, e.g. 384), trained from the prompt's last 32 tokens on: the head learns to "
-                        "draft beside a document in the prompt (summaries, document QA)")
-    p.add_argument("--ttt", action="store_true",
-                   help="EAGLE-3's training-time test: also train depth 2 on the head's own predicted features")
-    p.add_argument("--init", type=Path, default=None,
-                   help="continue training this head (its weights and draft vocabulary) instead of a new one")
-    p.add_argument("--average-init", type=float, default=None, metavar="W",
-                   help="with --init: save W x the trained weights + (1 - W) x the --init head's (weight averaging, "
-                        "as model soups / WiSE-FT: a continued head averaged with its parent held out better than "
-                        "either, docs/lab-notes/eagle.md)")
-    p.add_argument("--taps", default="",
-                   help="EAGLE-3's fused features: target layers (0-based, comma separated, e.g. 2,15) read beside "
-                        "the final features; with --init of a plain head, they start at zero weight")
-    p.add_argument("--eval-seqs", type=int, default=128, help="held-out prompts (conversations never trained on)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--order-seed", type=int, default=None,
-                   help="seed of the training order and the input noise only (default: --seed); a new one continues "
-                        "a head (--init) on the same cached answers without replaying its parent's batches")
-    p.set_defaults(func=run)
+    EagleConfig.add_parser(sub, run)
 
 
 def held_out_split(rows: list[dict], eval_seqs: int) -> tuple[list[dict], list[dict]]:
@@ -666,35 +584,27 @@ def _turns(text: str) -> tuple[int, ...]:
     return turns
 
 
-def run(args: argparse.Namespace) -> int:
+def run(config: EagleConfig) -> int:
+    """`rasd train eagle`: check every setting before the data and the model are read, train, write the head and
+    its report (the config it was trained with, then what training measured)."""
     from rasd.decoding.model.loading import ModelLoadError, load_model
     from rasd.errors import CliError
     from rasd.paths import eagle_path, rasd_home, slug
     from rasd.train.common import generation_cache
 
     try:
-        _turns(getattr(args, "turns", "1"))   # a bad --turns is refused before the data and the model are read
-        _taps(getattr(args, "taps", ""))
-        if _long_windows_option(getattr(args, "long_windows", "")) and not getattr(args, "regenerate", 0):
-            raise ValueError("--long-windows answers prompts anew: it needs --regenerate TOKENS")
-        check_numbers(args, positive=("seqs", "seq_len", "steps", "epochs", "batch", "lr", "eval_seqs", "gen_batch",
-                                        "max_answers"),
-                      non_negative=("noise", "cls_weight", "draft_vocab", "regenerate"))
-        if not 0.0 <= getattr(args, "temperature", 0.0) <= 10.0:
-            raise ValueError(f"--temperature {args.temperature}: give a value from 0 (greedy) to 10")
-        _check_samples(getattr(args, "samples", 1), getattr(args, "temperature", 0.0))
-        _check_average(getattr(args, "average_init", None), args.init)
-        rows = _rows(args.data)
+        check_config(config)
+        rows = _rows(config.data)
         if len(rows) < 2:
-            raise ValueError(f"{args.data}: need at least 2 conversations (one is held out)")
-        rest, eval_rows = held_out_split(rows, args.eval_seqs)
-        train_rows = rest[: args.seqs]
-        target = load_model(args.model, device=args.device, dtype="float32")
-        report, head = train_eagle(target, train_rows, eval_rows, args,
-                                   rasd_home() / "eagle-features" / slug(args.model), generation_cache(args.model))
+            raise ValueError(f"{config.data}: need at least 2 conversations (one is held out)")
+        rest, eval_rows = held_out_split(rows, config.eval_seqs)
+        train_rows = rest[: config.seqs]
+        target = load_model(config.model, device=config.device, dtype="float32")
+        report, head = train_eagle(target, train_rows, eval_rows, config,
+                                   rasd_home() / "eagle-features" / slug(config.model), generation_cache(config.model))
     except (ValueError, ModelLoadError) as exc:
         raise CliError(str(exc)) from exc
-    out = args.out or eagle_path(args.model)
+    out = config.out or eagle_path(config.model)
     save_head(out, head, report)
     write_json(out.with_suffix(".json"), report)
     print(f"rasd train eagle: wrote {out} ({out.stat().st_size / 1e6:.1f} MB); held-out top-1 agreement with the "
@@ -704,49 +614,55 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args: argparse.Namespace,
+def check_config(config: EagleConfig) -> None:
+    """One-line ValueErrors for settings `EagleConfig.validate` cannot judge alone (text options, pairs)."""
+    config.validate()
+    _turns(config.turns)
+    _taps(config.taps)
+    if not 0.0 <= config.temperature <= 10.0:
+        raise ValueError(f"--temperature {config.temperature}: give a value from 0 (greedy) to 10")
+    _check_samples(config.samples, config.temperature)
+    _check_average(config.average_init, config.init)
+
+
+def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], config: EagleConfig,
                 features_dir: Path, selfgen: Path) -> tuple[dict[str, Any], EagleHead]:
-    """Features (cached), draft vocabulary, training, held-out agreement; returns (report, head)."""
-    torch.manual_seed(args.seed)
+    """Features (cached), draft vocabulary, training, held-out agreement; returns (report, head). The report is
+    the config (`EagleConfig.record`) followed by what it resolved to and what training measured."""
+    torch.manual_seed(config.seed)
     t0 = time.perf_counter()
-    regen, turns = getattr(args, "regenerate", 0), _turns(getattr(args, "turns", "1"))
-    taps = _taps(getattr(args, "taps", ""))
+    regen, turns, taps = config.regenerate, _turns(config.turns), _taps(config.taps)
     _check_taps(target.model, taps)
-    long_windows = _long_windows_option(getattr(args, "long_windows", "")) if regen else ()
     folder = features_dir / model_fingerprint(target.model)
     if regen:
-        data = regenerated_data(target, train_rows, regen, selfgen, turns=turns,
-                                gen_dtype=getattr(args, "gen_dtype", "float32"),
-                                temperature=getattr(args, "temperature", 0.0), seed=args.seed,
-                                batch=getattr(args, "gen_batch", 128), samples=getattr(args, "samples", 1),
-                                taps=taps, limit=getattr(args, "max_answers", None), long_windows=long_windows)
+        data = regenerated_data(target, train_rows, regen, selfgen, turns=turns, gen_dtype=config.gen_dtype,
+                                temperature=config.temperature, seed=config.seed, batch=config.gen_batch,
+                                samples=config.samples, taps=taps, limit=config.max_answers)
     else:
-        seqs = conversation_ids(target.tokenizer, train_rows, args.seq_len)
+        seqs = conversation_ids(target.tokenizer, train_rows, config.seq_len)
         data = extract_features(target.model, seqs, folder, taps=taps) if seqs else {"tokens": []}
     seqs = data["tokens"]
     if not seqs:
         raise ValueError("no training conversation has 32 tokens")
     features_s = time.perf_counter() - t0
     eos = set(target.eos_token_ids or ())
-    vocab = draft_vocabulary(data["counts"], args.draft_vocab, eos)
+    vocab = draft_vocabulary(data["counts"], config.draft_vocab, eos)
     windows = held_out_windows(target.tokenizer, eval_rows)
     eval_seqs, eval_feats, eval_valid = held_out_set(target.model, windows, 48, eos, selfgen, taps=taps)
-    head = _start_head(target.model, vocab, args.init, taps)
+    head = _start_head(target.model, vocab, config.init, taps)
     before = depth_agreement(head.eval(), eval_seqs, eval_feats, eval_valid, windows.shape[1])
-    weight = getattr(args, "average_init", None)
+    weight = config.average_init
     parent = {k: v.detach().clone() for k, v in head.state_dict().items()} if weight is not None else None
     tokens = sum(len(s) for s in seqs)
-    steps = args.steps if args.steps is not None else max(1, math.ceil(args.epochs * len(seqs) / args.batch))
+    steps = config.steps if config.steps is not None else max(1, math.ceil(config.epochs * len(seqs) / config.batch))
     t1 = time.perf_counter()
-    order_seed = _order_seed(args)
-    settings = [len(seqs), args.seq_len, regen, steps, args.batch, args.lr, args.noise, args.cls_weight, order_seed,
-                args.draft_vocab] + ([args.ttt, str(args.init)] if args.ttt or args.init else [])
+    order_seed = config.batch_order_seed
+    settings = [len(seqs), config.seq_len, regen, steps, config.batch, config.lr, config.noise, config.cls_weight,
+                order_seed, config.draft_vocab] + ([config.ttt, str(config.init)] if config.ttt or config.init else [])
     settings += [list(taps)] if taps else []
-    settings += [list(long_windows)] if long_windows else []
     checkpoint = folder / f"checkpoint-{sequences_key(seqs, str(settings))}.pt"   # resumed only with the same settings
-    final = train_head(head, data["tokens"], data["feats"], steps, args.batch, args.lr, args.noise,
-                       args.cls_weight, order_seed, checkpoint=checkpoint, ttt=args.ttt,
-                       loss_from=data.get("loss_from") or None)
+    final = train_head(head, data["tokens"], data["feats"], steps, config.batch, config.lr, config.noise,
+                       config.cls_weight, order_seed, checkpoint=checkpoint, ttt=config.ttt)
     train_s = time.perf_counter() - t1
     trained = None
     if parent is not None:
@@ -755,22 +671,13 @@ def train_eagle(target: Any, train_rows: list[dict], eval_rows: list[dict], args
     after = depth_agreement(head, eval_seqs, eval_feats, eval_valid, windows.shape[1])
     used = head.vocab   # with --init, the initial head's vocabulary, not the one this data's counts would pick
     covered = float(torch.isin(eval_seqs[:, windows.shape[1]:], used).float().mean()) if used is not None else 1.0
-    report = {"model": args.model, "data": args.data, "sequences": len(seqs), "seq_len": args.seq_len,
-              "train_tokens": tokens, "steps": steps, "batch": args.batch, "lr": args.lr, "noise": args.noise,
-              "cls_weight": args.cls_weight, "regenerate": regen, "ttt": args.ttt,
-              "turns": list(turns) if regen else None,
-              "gen_dtype": getattr(args, "gen_dtype", "float32") if regen else None,
-              "temperature": getattr(args, "temperature", 0.0) if regen else None,
-              "samples": getattr(args, "samples", 1) if regen else None,
-              "max_answers": getattr(args, "max_answers", None) if regen else None,
-              "long_windows": list(long_windows),
-              "init": str(args.init) if args.init else None, "taps": list(taps),
-              "draft_vocab": _out_rows(head), "vocab_coverage": round(covered, 4),
-              "average_init": weight, "agreement_trained": trained,
-              "held_out_sequences": len(eval_seqs), "agreement_before": before, "agreement": after,
-              "final_train": final, "features_s": round(features_s, 1), "train_s": round(train_s, 1),
-              "seed": args.seed, "order_seed": order_seed, "torch_threads": torch.get_num_threads()}
-    return report, head
+    resolved = {"steps": steps, "order_seed": order_seed, "turns": list(turns) if regen else None, "taps": list(taps),
+                "draft_vocab": _out_rows(head)}   # with --init, the parent's vocabulary size
+    measured = {"sequences": len(seqs), "train_tokens": tokens, "vocab_coverage": round(covered, 4),
+                "agreement_trained": trained, "held_out_sequences": len(eval_seqs), "agreement_before": before,
+                "agreement": after, "final_train": final, "features_s": round(features_s, 1),
+                "train_s": round(train_s, 1), "torch_threads": torch.get_num_threads()}
+    return {**config.record(), **resolved, **measured}, head
 
 
 def average_weights(head: EagleHead, parent: dict[str, torch.Tensor], weight: float) -> None:
@@ -791,12 +698,6 @@ def _check_average(weight: float | None, init: Path | None) -> None:
         raise ValueError(f"--average-init {weight}: give the trained head's weight, above 0 and at most 1")
 
 
-def _order_seed(args: argparse.Namespace) -> int:
-    """`--order-seed`, else `--seed`: the text stays keyed by --seed while the batches can be drawn anew."""
-    order_seed = getattr(args, "order_seed", None)
-    return args.seed if order_seed is None else order_seed
-
-
 def _start_head(target: torch.nn.Module, vocab: torch.Tensor | None, init: Path | None,
                 taps: tuple[int, ...] = ()) -> EagleHead:
     """A pass-through head over `vocab`, or `init`'s weights and draft vocabulary (continued training). With
@@ -815,18 +716,6 @@ def _start_head(target: torch.nn.Module, vocab: torch.Tensor | None, init: Path 
     missing, unexpected = head.load_state_dict(start.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("fc_taps") for k in missing), (missing, unexpected)
     return head.float().train()
-
-
-def _long_windows_option(text: str) -> tuple[int, ...]:
-    """`--long-windows 256,384` -> (256, 384); each must be longer than the 32-token windows every answer has."""
-    try:
-        lengths = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ValueError(f"--long-windows {text!r}: give prompt lengths in tokens, comma separated, e.g. 384") from None
-    bad = [n for n in lengths if n <= LOSS_PROMPT_TAIL]
-    if bad:
-        raise ValueError(f"--long-windows {text!r}: each must be more than {LOSS_PROMPT_TAIL} tokens")
-    return tuple(sorted(set(lengths)))
 
 
 def _taps(text: str) -> tuple[int, ...]:

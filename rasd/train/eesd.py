@@ -19,7 +19,6 @@ agreement 0.65 against 0.38 held out), so more sequences, not more steps, is wha
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -38,6 +37,7 @@ from rasd.decoding.proposers.early_exit import (
     save_exit_layer,
 )
 from rasd.train.common import SelfGenerated, generation_cache, self_generate, split, write_json
+from rasd.train.config import EesdConfig
 
 
 def distill_loss(student_logits: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torch.Tensor,
@@ -196,45 +196,29 @@ def train_eesd(target: torch.nn.Module, prompts: torch.Tensor, layers: int | Non
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("eesd", help="self-distil EESD's exit layer on the target's own generations")
-    p.add_argument("--model", default="default", help="target: HF hub id, local path or `default`")
-    p.add_argument("--data", default="builtin",
-                   help="JSONL(.gz) prompts (Spec-Bench `turns`, ShareGPT `conversations`, `prompt`/`text`) "
-                        "or `builtin` (CPython language reference, offline)")
-    p.add_argument("--out", type=Path, default=None, help="default: $RASD_HOME/eesd/<model>.safetensors")
-    p.add_argument("--layers", type=int, default=None, help="N shared target layers (default: a third)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 4 epochs)")
-    p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="restrict the draft's LM head to the target's N most written tokens (0 = all)")
-    p.add_argument("--seqs", type=int, default=1600, help="prompts to continue (10%% held out)")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=48)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run)
+    EesdConfig.add_parser(sub, run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(config: EesdConfig) -> int:
+    """`rasd train eesd`: check the settings before the data and the model are read, train, write the exit layer
+    and its report (the config it was trained with, then what training resolved and measured)."""
     from rasd.decoding.model.loading import ModelLoadError, load_model
     from rasd.errors import CliError
-    from rasd.train.common import check_numbers, load_prompts, prompt_windows
+    from rasd.train.common import load_prompts, prompt_windows
 
     try:
-        check_numbers(args, positive=("layers", "steps", "seqs", "prompt_tokens", "gen_tokens", "batch", "lr"),
-                      non_negative=("draft_vocab",))
-        prompts = load_prompts(args.data, args.seqs * 3)
-        target = load_model(args.model, device=args.device, dtype="float32")
-        windows = prompt_windows(target.tokenizer, prompts, args.prompt_tokens)[: args.seqs]
-        layer, vocab, report = train_eesd(target.model, windows, args.layers, args.gen_tokens, args.steps,
-                                          args.batch, args.lr, eos_ids=target.eos_token_ids, seed=args.seed,
-                                          draft_vocab=args.draft_vocab, cache=generation_cache(args.model))
+        config.validate()
+        prompts = load_prompts(config.data, config.seqs * 3)
+        target = load_model(config.model, device=config.device, dtype="float32")
+        windows = prompt_windows(target.tokenizer, prompts, config.prompt_tokens)[: config.seqs]
+        layer, vocab, report = train_eesd(target.model, windows, config.layers, config.gen_tokens, config.steps,
+                                          config.batch, config.lr, eos_ids=target.eos_token_ids, seed=config.seed,
+                                          draft_vocab=config.draft_vocab, cache=generation_cache(config.model))
     except (ValueError, ModelLoadError) as exc:
         raise CliError(str(exc)) from exc
-    out = args.out or eesd_path(args.model)
-    report = {"model": args.model, "data": args.data, **report}
-    save_exit_layer(out, layer, report["layers"], {"model": args.model}, vocab=vocab)
+    out = config.out or eesd_path(config.model)
+    report = {**config.record(), **report}
+    save_exit_layer(out, layer, report["layers"], {"model": config.model}, vocab=vocab)
     write_json(out.with_suffix(".json"), report)
     print(f"rasd train eesd: wrote {out} ({out.stat().st_size / 1e6:.1f} MB); held-out top-1 agreement with the "
           f"target {report['agreement']:.3f} (before training {report['agreement_before']:.3f}; N={report['layers']}"

@@ -13,7 +13,6 @@ would have been accepted, a too-long one only costs draft time (DDD also extends
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from rasd import paths
 from rasd.decoding.model.eagle_head import EagleHead
 from rasd.decoding.sizing.ldlp import LengthPredictor, ldlp_features, ldlp_labels, weighted_l1
 from rasd.train.common import self_generate, split, write_json
+from rasd.train.config import LdlpConfig
 
 
 @torch.no_grad()
@@ -138,55 +138,38 @@ def train_ldlp(target: torch.nn.Module, drafter: torch.nn.Module, prompts: torch
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("ldlp", help="train AdaEAGLE's draft length predictor for a drafter")
-    p.add_argument("--model", default="default", help="target: HF hub id, local path or `default`")
-    p.add_argument("--drafter", default="eesd", help="`eagle` (the target's EAGLE head, AdaEAGLE's drafter), "
-                   "`eesd` (the trained self-draft) or a draft model path/id")
-    p.add_argument("--eesd", type=Path, default=None, help="exit-layer weights (default under $RASD_HOME/eesd/)")
-    p.add_argument("--eagle", type=Path, default=None,
-                   help="EAGLE head (default: trained under $RASD_HOME/eagle/, else the shipped one)")
-    p.add_argument("--data", default="builtin", help="JSONL(.gz) prompts or `builtin` (see `rasd train eesd`)")
-    p.add_argument("--out", type=Path, default=None, help="default: $RASD_HOME/ldlp/<model>--<drafter>.safetensors")
-    p.add_argument("--k-max", type=int, default=8)
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--seqs", type=int, default=1000)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=48)
-    p.add_argument("--under-weight", type=float, default=2.0, help="λ > 1: weight of under-prediction")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run)
+    LdlpConfig.add_parser(sub, run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(config: LdlpConfig) -> int:
+    """`rasd train ldlp`: check the settings before the data and the models are read, label and train, write the
+    predictor and its report (the config it was trained with, then what training measured)."""
     from rasd.decoding.model.eagle_head import load_head
     from rasd.decoding.model.loading import ModelLoadError, load_model
     from rasd.decoding.proposers.early_exit import load_early_exit
     from rasd.errors import CliError
-    from rasd.train.common import check_numbers, generation_cache, load_prompts, prompt_windows
+    from rasd.train.common import generation_cache, load_prompts, prompt_windows
 
-    if args.under_weight <= 1:
-        raise CliError("--under-weight must be > 1 (under-prediction costs more)")
     try:
-        check_numbers(args, positive=("k_max", "steps", "seqs", "prompt_tokens", "gen_tokens"))
-        prompts = load_prompts(args.data, args.seqs * 3)
-        target = load_model(args.model, device=args.device, dtype="float32")
-        if args.drafter == "eagle":
-            drafter = load_head(target.model, args.eagle, args.model)
-        elif args.drafter == "eesd":
-            drafter = load_early_exit(target.model, args.eesd, args.model)
+        config.validate()
+        prompts = load_prompts(config.data, config.seqs * 3)
+        target = load_model(config.model, device=config.device, dtype="float32")
+        if config.drafter == "eagle":
+            drafter = load_head(target.model, config.eagle, config.model)
+        elif config.drafter == "eesd":
+            drafter = load_early_exit(target.model, config.eesd, config.model)
         else:
-            drafter = load_model(args.drafter, device=args.device, dtype="float32").model
-        windows = prompt_windows(target.tokenizer, prompts, args.prompt_tokens)[: args.seqs]
-        model, report = train_ldlp(target.model, drafter, windows, args.k_max, args.gen_tokens, args.steps,
-                                   under_weight=args.under_weight, eos_ids=target.eos_token_ids, seed=args.seed,
-                                   cache=generation_cache(args.model))
+            drafter = load_model(config.drafter, device=config.device, dtype="float32").model
+        windows = prompt_windows(target.tokenizer, prompts, config.prompt_tokens)[: config.seqs]
+        model, report = train_ldlp(target.model, drafter, windows, config.k_max, config.gen_tokens, config.steps,
+                                   under_weight=config.under_weight, eos_ids=target.eos_token_ids, seed=config.seed,
+                                   cache=generation_cache(config.model))
     except (ValueError, ModelLoadError) as exc:
         raise CliError(str(exc)) from exc
-    drafter_tag = args.drafter if args.drafter in ("eagle", "eesd") else "draft-model"
-    out = args.out or paths.ldlp_path(args.model, drafter_tag)
-    report = {"model": args.model, "drafter": args.drafter, "data": args.data, **report}
-    model.save(out, {"model": args.model, "drafter": args.drafter})
+    drafter_tag = config.drafter if config.drafter in ("eagle", "eesd") else "draft-model"
+    out = config.out or paths.ldlp_path(config.model, drafter_tag)
+    report = {**config.record(), **report}
+    model.save(out, {"model": config.model, "drafter": config.drafter})
     write_json(out.with_suffix(".json"), report)
     held = report["held_out"]
     print(f"rasd train ldlp: wrote {out}; held-out MAE {held['mae']:.2f} tokens (constant predictor "

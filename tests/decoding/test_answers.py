@@ -144,39 +144,6 @@ def test_max_answers_answers_only_the_first_prompts(tmp_path: Path) -> None:
     assert len(list((tmp_path / "c").glob("*-features.pt"))) == 3, "the first two chunks were read back"
 
 
-def test_long_windows_answer_the_long_prompts_again_and_train_from_their_tail(tmp_path: Path) -> None:
-    """`--long-windows 40`: every prompt of 40 tokens or more is answered a second time from its last 40 tokens; the
-    loss starts at that window's last 32 prompt tokens, the document before them is context only."""
-    from rasd.train.common import encode_prompt
-    from rasd.train.eagle_head import LOSS_PROMPT_TAIL, _batch, regenerated_data
-
-    target = tiny_target(tmp_path)
-    tokenizer = target.tokenizer
-    texts = [f"glaciers and bridges, part {i} " * (12 if i % 2 else 1) for i in range(4)]
-    rows = [{"conversations": [{"from": "human", "value": t}]} for t in texts]
-    long = [encode_prompt(tokenizer, t, True) for t in texts if len(encode_prompt(tokenizer, t, True)) >= 40]
-    assert len(long) == 2, "the fixture has two prompts long enough"
-    data = regenerated_data(target, rows, 4, tmp_path / "c", window=8, batch=2, long_windows=(40,))
-    assert len(data["tokens"]) == 4 + 2
-    assert data["loss_from"] == [0] * 4 + [40 - LOSS_PROMPT_TAIL] * 2
-    assert [seq[:40] for seq in data["tokens"][4:]] == [ids[-40:] for ids in long]
-    assert regenerated_data(target, rows, 4, tmp_path / "c", window=8, batch=2)["loss_from"] == [0] * 4
-
-    ids, _, valid = _batch(data["tokens"], data["feats"], [0, 4], data["loss_from"])
-    assert valid[0, : len(data["tokens"][0])].all() and not valid[0, len(data["tokens"][0]):].any()
-    assert not valid[1, :8].any() and valid[1, 8: len(data["tokens"][4])].all()
-    assert ids[1, :40].tolist() == long[0][-40:]
-
-
-@pytest.mark.parametrize("flags", [["--regenerate", "8", "--long-windows", "32"],
-                                   ["--regenerate", "8", "--long-windows", "many"], ["--long-windows", "384"]])
-def test_bad_long_windows_are_refused_in_one_line(tmp_path: Path, flags: list[str],
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "eagle", "--data", str(tmp_path / "none.jsonl"), *flags]) != 0
-    err = capsys.readouterr().err
-    assert "--long-windows" in err and "Traceback" not in err, "refused before the data or the model is read"
-
-
 @pytest.mark.parametrize("flags", [["--temperature", "-1"], ["--gen-batch", "0"], ["--samples", "2"],
                                    ["--samples", "0", "--temperature", "0.5"],
                                    ["--max-answers", "0"]])

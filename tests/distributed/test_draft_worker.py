@@ -288,20 +288,20 @@ def test_service_config_names_the_worker_model() -> None:
 
 def test_serve_flags_reach_the_config() -> None:
     from rasd.errors import CliError
-    from rasd.serve.app import config_from_args
+    from rasd.serve.config import ServeConfig
     from rasd.serve.options import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     args = parser.parse_args(["serve", "--draft-workers", "2", "--draft-model", "d",
                               "--draft-worker-resources", '{"rasd_draft": 1}'])
-    config = config_from_args(args)
-    assert config["draft_workers"] == 2 and config["draft_worker_options"] == {"resources": {"rasd_draft": 1}}
-    assert config["draft_worker_model"] is None
+    config = ServeConfig.from_args(args)
+    assert config.draft_workers == 2 and config.draft_worker_options == {"resources": {"rasd_draft": 1}}
+    assert config.draft_worker_model is None
     with pytest.raises(CliError, match="JSON"):
-        config_from_args(parser.parse_args(["serve", "--draft-worker-resources", "{rasd_draft"]))
+        ServeConfig.from_args(parser.parse_args(["serve", "--draft-worker-resources", "{rasd_draft"]))
     with pytest.raises(CliError, match="rasd train eesd"):   # no draft model: the self-draft needs its weights
-        config_from_args(parser.parse_args(["serve", "--model", "/nowhere/model", "--draft-workers", "1"]))
+        ServeConfig.from_args(parser.parse_args(["serve", "--model", "/nowhere/model", "--draft-workers", "1"]))
 
 
 # ------------------------------------------------------------------------------------------------------

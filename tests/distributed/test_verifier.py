@@ -21,20 +21,21 @@ def test_verifier_flags_reach_the_config_and_imply_the_actor() -> None:
     import argparse
 
     from rasd.errors import CliError
-    from rasd.serve.app import build_app, config_from_args
+    from rasd.serve.app import build_app
+    from rasd.serve.config import ServeConfig
     from rasd.serve.options import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
 
-    def config(*flags: str) -> dict[str, Any]:
-        return config_from_args(parser.parse_args(["serve", *flags]))
+    def config(*flags: str) -> ServeConfig:
+        return ServeConfig.from_args(parser.parse_args(["serve", *flags]))
 
-    assert config()["verifier_actor"] is False and config()["verifier_options"] == {}
-    assert config("--verifier-actor")["verifier_actor"] is True
+    assert config().verifier_actor is False and config().verifier_options == {}
+    assert config("--verifier-actor").verifier_actor is True
     gpu = config("--verifier-gpus", "1", "--verifier-resources", '{"rasd_verifier": 1}')
-    assert gpu["verifier_actor"] is True
-    assert gpu["verifier_options"] == {"num_gpus": 1.0, "resources": {"rasd_verifier": 1}}
+    assert gpu.verifier_actor is True
+    assert gpu.verifier_options == {"num_gpus": 1.0, "resources": {"rasd_verifier": 1}}
     with pytest.raises(CliError, match="JSON"):
         config("--verifier-resources", "{rasd_verifier")
     with pytest.raises(CliError, match="JSON object"):

@@ -37,17 +37,25 @@ def test_build_app_and_cli_carry_the_environment_key(monkeypatch: pytest.MonkeyP
 
     from rasd.errors import CliError
     from rasd.serve import options as serve_cli
-    from rasd.serve.app import app_args, config_from_args
+    from rasd.serve.app import build_app
+    from rasd.serve.config import ServeConfig
 
     monkeypatch.setenv(API_KEY_ENV, "shell-key")
-    assert app_args({})["api_key"] == "shell-key"
+    assert ServeConfig.from_dict({}).api_key == "shell-key"
+    assert ServeConfig.from_dict({"api_key": "yaml-key"}).api_key == "yaml-key"
+    app = build_app({})          # what the deployments receive: the resolved config object
+    assert app._bound_deployment.init_args[1].api_key == "shell-key"
     parser = argparse.ArgumentParser()
     serve_cli.register(parser.add_subparsers())
-    assert config_from_args(parser.parse_args(["serve"]))["api_key"] == "shell-key"
-    assert config_from_args(parser.parse_args(["serve", "--api-key", "flag-key"]))["api_key"] == "flag-key"
+    assert ServeConfig.from_args(parser.parse_args(["serve"])).api_key == "shell-key"
+    assert ServeConfig.from_args(parser.parse_args(["serve", "--api-key", "flag-key"])).api_key == "flag-key"
     monkeypatch.setenv(API_KEY_ENV, "")
     with pytest.raises(CliError, match="empty"):
-        config_from_args(parser.parse_args(["serve"]))
+        ServeConfig.from_args(parser.parse_args(["serve"]))
+    with pytest.raises(ValueError, match="empty"):
+        ServeConfig.from_dict({})
+    monkeypatch.delenv(API_KEY_ENV)
+    assert ServeConfig.from_dict({}).api_key is None
 
 
 def test_comparison_and_open_paths() -> None:

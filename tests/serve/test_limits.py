@@ -137,9 +137,9 @@ def test_body_over_the_limit_is_413_before_the_app_reads_it() -> None:
 
 def test_config_limits_are_checked_before_ray_starts() -> None:
     pytest.importorskip("ray.serve")
-    from rasd.serve.app import check_config
+    from rasd.serve.config import ServeConfig
 
-    check_config({"limits": {"max_stop": 4}})
-    for bad in ({"max_stop": 0}, {"max_stop": "4"}, {"max_stops": 4}, {"max_stop": True}):
-        with pytest.raises(ValueError):
-            check_config({"limits": bad})
+    assert ServeConfig.from_dict({"limits": {"max_stop": 4}}).limits == {"max_stop": 4}
+    for bad in ({"max_stop": 0}, {"max_stop": "4"}, {"max_stops": 4}, {"max_stop": True}, ["max_stop"]):
+        with pytest.raises(ValueError, match="^limits"):
+            ServeConfig.from_dict({"limits": bad})

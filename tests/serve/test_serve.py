@@ -377,12 +377,12 @@ def test_serve_config_yaml_builds(tmp_path: Path) -> None:
     app = config["applications"][0]
     assert app["import_path"] == "rasd.serve.app:build_app"
     build_app(app["args"])   # the builder accepts the file's args
-    with pytest.raises(ValueError, match="unknown serve config keys"):
+    with pytest.raises(ValueError, match="serve config has unknown keys: modle"):
         build_app({"modle": "default"})
     replicas = build_app({"replicas": 2, "threads": 1})._bound_deployment.init_args[0]._bound_deployment
     assert replicas.name == "RasdServer" and replicas.num_replicas == 2
     assert replicas.ray_actor_options["num_cpus"] == 1
-    with pytest.raises(ValueError, match="unknown router options: imbalanse"):
+    with pytest.raises(ValueError, match="router has unknown options: imbalanse"):
         build_app({"router": {"imbalanse": 2}})
     with pytest.raises(ValueError, match="replicas must be >= 1"):
         build_app({"replicas": 0})
