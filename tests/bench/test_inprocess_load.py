@@ -1,4 +1,4 @@
-"""scripts/inprocess_load.py: the sample prompts built here, replayed through the service's batched scheduler
+"""bench/inprocess_load.py: the sample prompts built here, replayed through the service's batched scheduler
 and checked token for token against HF greedy (how the GPU document-QA numbers were measured)."""
 
 from __future__ import annotations

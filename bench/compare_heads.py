@@ -3,7 +3,7 @@
 Why: a head's held-out agreement alone has a standard error about as large as what a new draw of training
 text adds; the paired difference against a reference head (`rasd.train.head_compare`) tells them apart.
 
-    python scripts/compare_heads.py REFERENCE.safetensors CANDIDATE.safetensors [MORE ...] [--json OUT]
+    python bench/compare_heads.py REFERENCE.safetensors CANDIDATE.safetensors [MORE ...] [--json OUT]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ prompt holds the first `--chunk-tokens` tokens of a row's document and its quest
 there); the datastore holds every selected row's whole document, and the request is scoped to its own.
 Every method's tokens are checked against our `ar` (itself equal to HF greedy, see the tests).
 
-    python scripts/measure_retrieval.py [--rows 4] [--max-new-tokens 96] [--out results.json]
+    python bench/measure_retrieval.py [--rows 4] [--max-new-tokens 96] [--out results.json]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the same lookup as a call on a Ray actor holding the store (the per-replica store the service uses costs
 only the former). Prints medians in ms; run on a quiet machine:
 
-    python scripts/history_actor_cost.py --answers 256 --calls 300
+    python bench/history_actor_cost.py --answers 256 --calls 300
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Why: `rasd bench` reports tokens/s and accepted tokens; when a method accepts more tokens a step than another
 and is still slower, this says whether drafting, verification or bookkeeping took the difference.
 
-    python scripts/step_breakdown.py --dataset ../shared/data/longbench/longbench_dev.jsonl --task docqa \
+    python bench/step_breakdown.py --dataset ../shared/data/longbench/longbench_dev.jsonl --task docqa \
         --limit 5 --methods pld,rasd,rasd:head=off
 """
 

@@ -7,8 +7,8 @@ exactly as the service builds them) are made here and replayed there against the
 answer is compared token for token with HF `generate` greedy on the same device, and the baseline is measured
 in the same run, one request at a time, like `rasd load`'s.
 
-    python scripts/inprocess_load.py --save-prompts prompts.jsonl [--index sample] [--limit 16]
-    python scripts/inprocess_load.py --prompts prompts.jsonl --index DIR --device cuda \
+    python bench/inprocess_load.py --save-prompts prompts.jsonl [--index sample] [--limit 16]
+    python bench/inprocess_load.py --prompts prompts.jsonl --index DIR --device cuda \
         --concurrency 1,4,8 --out load_cuda.json [--plot load_cuda.png]
 """
 

@@ -6,7 +6,7 @@ streams its 540 MB of weights every step; a warm micro-benchmark of the head alo
 a memory-bound host). Draft vocabularies smaller than the shipped head's are timed with its first N rows: the
 cost of N rows, not a trained N-row head's agreement. Medians over interleaved repetitions.
 
-    python scripts/head_cost.py --context 256 --reps 30 --rows 8192,4096,2048 \
+    python bench/head_cost.py --context 256 --reps 30 --rows 8192,4096,2048 \
         --out docs/results/head_cost_<date>.json
 """
 

@@ -1,7 +1,7 @@
 """Measure the retrieval index: suffix-array lookup latency on a 10M-token datastore, and building an index
 of the WikiText-2 test corpus (time and size on disk).
 
-    .venv/bin/python scripts/index_bench.py [--data ../shared/data] [--tokens 10000000] [--json out.json]
+    .venv/bin/python bench/index_bench.py [--data ../shared/data] [--tokens 10000000] [--json out.json]
 
 Why it is built this way:
 - The datastore is real text (WikiText-2 paragraphs + ShareGPT conversations) tokenized with the default
