@@ -17,7 +17,7 @@ a report can be rebuilt from committed results without running the benchmark aga
 5. `cost_curve.png`: the target's measured verification latency against tree tokens, per context bucket,
    with the tree sizes the cost model chose per step (`cost_curves`, `step_stats[...].tree_tokens_by_bucket`).
 
-Results written before these keys existed (e.g. docs/bench_results_limit5.json) still give the table and
+Results written before these keys existed (e.g. tests/eval/data/results_before_report.json) still give the table and
 plots 1-2; each missing plot is replaced by a note saying what is absent. `--cost-dir` lets the entry point
 take the cost curves from a local cost cache (`$RASD_HOME/cost`) when the results do not carry them; the
 report says so, since such a curve was not necessarily the one the run used.

@@ -1,8 +1,9 @@
 """Tests of the benchmark report (`rasd bench --report DIR`, `python -m rasd.eval.report`).
 
-Reports are built from a hand-made results dict with every optional key, from the committed
-docs/bench_results_limit5.json (written before the report existed: plots must be skipped with a note),
-and end to end through `rasd bench --report` on a tiny random Llama (the model loader is patched to return it).
+Reports are built from a hand-made results dict with every optional key, from
+tests/eval/data/results_before_report.json (a real run written before the report existed: plots must be
+skipped with a note), and end to end through `rasd bench --report` on a tiny random Llama (the model loader
+is patched to return it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rasd.eval.runners import RunRecord
 from tests.eval import test_bench
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMITTED = ROOT / "docs" / "bench_results_limit5.json"
+COMMITTED = ROOT / "tests" / "eval" / "data" / "results_before_report.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = ("speedup.png", "accepted_tokens.png", "position_acceptance.png", "accepted_by_source.png",
              "cost_curve.png")
