@@ -1,8 +1,9 @@
-"""Benchmark report: `rasd bench ... --report DIR`, or `python -m rasd.eval.report results.json --out DIR`.
+"""Benchmark report: `rasd bench ... --report DIR`, or `rasd report results.json --out DIR` (the same as
+`python -m rasd.eval.report`) from a saved results.json.
 
 The tables docs/benchmarks.md quotes are printed to stdout as Markdown, from the same files:
-`python -m rasd.eval.report results.json --table [--focus pld] [--baseline hf]` (speed per category) and
-`python -m rasd.eval.report answers.jsonl --sources [--method rasd]` (accepted draft tokens by source, from a
+`rasd report results.json --table [--focus pld] [--baseline hf]` (speed per category) and
+`rasd report answers.jsonl --sources [--method rasd]` (accepted draft tokens by source, from a
 `rasd bench --answers` file, .jsonl or .jsonl.gz).
 
 Writes into DIR a `report.md` with PNG plots beside it, and `report.html`: the same content with the plots
@@ -590,12 +591,8 @@ def write_report(results: dict[str, Any], out_dir: str | Path, source: str | Non
     return md_path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m rasd.eval.report results.json --out DIR`: rebuild a report from saved results; `--table`
-    and `--sources` print the Markdown tables docs/benchmarks.md quotes instead."""
-    parser = argparse.ArgumentParser(prog="python -m rasd.eval.report",
-                                     description="Write a benchmark report from a `rasd bench` results.json, or "
-                                                 "print its tables as Markdown.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `rasd report` and `python -m rasd.eval.report` (one list for both)."""
     parser.add_argument("results", help="results.json written by `rasd bench --out` (with --sources: the "
                                         "answers file written by `rasd bench --answers`)")
     parser.add_argument("--out", default=None, help="folder for report.md, report.html and the plots")
@@ -612,7 +609,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "default pld)")
     parser.add_argument("--baseline", default="hf", choices=("hf", "ar"), help="with --table: the speedups' base")
     parser.add_argument("--method", default="rasd", help="with --sources: the method whose answers are counted")
-    args = parser.parse_args(argv)
+
+
+DESCRIPTION = "Write a benchmark report from a `rasd bench` results.json, or print its tables as Markdown."
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """`rasd report`."""
+    p = subparsers.add_parser("report", help="rebuild a benchmark report, or print its tables as Markdown",
+                              description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m rasd.eval.report results.json --out DIR`, the same as `rasd report`."""
+    parser = argparse.ArgumentParser(prog="python -m rasd.eval.report", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Rebuild a report from saved results; `--table` and `--sources` print the Markdown tables
+    docs/benchmarks.md quotes instead."""
     if args.sources:
         try:
             print(source_share_table(*answers_by_source(Path(args.results), args.method)))
@@ -622,7 +642,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return 0
     if not args.table and args.out is None:
-        parser.error("--out is required to write a report (or print a table: --table, --sources)")
+        print("report: error: --out is required to write a report (or print a table: --table, --sources)",
+              file=sys.stderr)
+        return 2
     try:
         results = json.loads(Path(args.results).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

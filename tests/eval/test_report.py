@@ -290,7 +290,17 @@ def test_source_shares_from_an_answers_file(tmp_path, capsys):
 def test_a_report_needs_out_unless_a_table_is_asked_for(tmp_path, capsys):
     path = tmp_path / "results.json"
     path.write_text(json.dumps(synthetic_results()))
-    with pytest.raises(SystemExit):
-        report.main([str(path)])
+    assert report.main([str(path)]) == 2
     assert "--out is required" in capsys.readouterr().err
     assert report.main([str(tmp_path / "missing.jsonl"), "--sources"]) == 2
+
+
+def test_rasd_report_is_the_same_entry_point(tmp_path, capsys):
+    from rasd import cli
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(synthetic_results()))
+    assert cli.main(["report", str(path), "--table", "--focus", "rasd"]) == 0
+    assert capsys.readouterr().out.strip() == report.speed_table(synthetic_results(), ["rasd"], "hf")
+    assert cli.main(["report", str(path), "--out", str(tmp_path / "r"), "--no-html"]) == 0
+    assert (tmp_path / "r" / "report.md").exists() and not (tmp_path / "r" / "report.html").exists()
