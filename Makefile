@@ -32,7 +32,7 @@ stop: $(STAMP)
 	$(BIN)/rasd serve --stop
 
 test: $(STAMP)
-	$(BIN)/ruff check rasd tests scripts
+	$(BIN)/ruff check rasd tests bench
 	$(BIN)/python -m pytest -q --durations=15 tests
 
 bench: $(STAMP)

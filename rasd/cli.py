@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     from rasd.apps import docqa
-    from rasd.eval import bench, fault, ingest_check, load
+    from rasd.eval import bench, fault, ingest_check, load, report
     from rasd.index import cli as index_cli
     from rasd.serve import options as serve_options
 
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.register(sub)
     fault.register(sub)
     ingest_check.register(sub)
+    report.register(sub)
     _add_train(sub)
     return parser
 

@@ -1,5 +1,5 @@
 """What tests share, in one module: tiny random Llama models and HF `generate` references, χ² helpers, a small
-topical corpus with a tiny BPE tokenizer (index tests), the Serve tests' corpus and key, scripts/ loaded as
+topical corpus with a tiny BPE tokenizer (index tests), the Serve tests' corpus and key, bench/ tools loaded as
 modules, and throwaway Ray heads (free ports, killing a process session). Fixtures live in conftest.py.
 
 Tiny models run with one torch thread (conftest's `one_thread`): at this size thread start-up costs more than
@@ -225,12 +225,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# ---------------------------------------------------------------------------------------------- scripts
+# ------------------------------------------------------------------------------------------------ bench
 
 
 def load_script(name: str) -> ModuleType:
-    """scripts/<name>.py as a module, so tests call its functions instead of spawning it."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    """bench/<name>.py as a module, so tests call its functions instead of spawning it."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

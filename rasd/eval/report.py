@@ -1,4 +1,10 @@
-"""Benchmark report: `rasd bench ... --report DIR`, or `python -m rasd.eval.report results.json --out DIR`.
+"""Benchmark report: `rasd bench ... --report DIR`, or `rasd report results.json --out DIR` (the same as
+`python -m rasd.eval.report`) from a saved results.json.
+
+The tables docs/benchmarks.md quotes are printed to stdout as Markdown, from the same files:
+`rasd report results.json --table [--focus pld] [--baseline hf]` (speed per category) and
+`rasd report answers.jsonl --sources [--method rasd]` (accepted draft tokens by source, from a
+`rasd bench --answers` file, .jsonl or .jsonl.gz).
 
 Writes into DIR a `report.md` with PNG plots beside it, and `report.html`: the same content with the plots
 embedded (base64), so that one file can be mailed or attached. Everything comes from results.json alone, so
@@ -12,7 +18,7 @@ a report can be rebuilt from committed results without running the benchmark aga
 5. `cost_curve.png`: the target's measured verification latency against tree tokens, per context bucket,
    with the tree sizes the cost model chose per step (`cost_curves`, `step_stats[...].tree_tokens_by_bucket`).
 
-Results written before these keys existed (e.g. docs/bench_results_limit5.json) still give the table and
+Results written before these keys existed (e.g. tests/eval/data/results_before_report.json) still give the table and
 plots 1-2; each missing plot is replaced by a note saying what is absent. `--cost-dir` lets the entry point
 take the cost curves from a local cost cache (`$RASD_HOME/cost`) when the results do not carry them; the
 report says so, since such a curve was not necessarily the one the run used.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gzip
 import html
 import json
 import re
@@ -48,6 +55,67 @@ META_FIELDS = (("model", "model"), ("draft_model", "draft model"), ("device", "d
                ("max_new_tokens", "max new tokens"), ("temperature", "temperature"),
                ("greedy_reference", "greedy reference"), ("truncated_prompts", "truncated prompts"),
                ("skipped_prompts", "skipped prompts"), ("date", "date"))
+
+
+# ------------------------------------------------------------------------------------ Markdown tables
+
+
+def speed_table(results: dict[str, Any], focus: Sequence[str], baseline: str) -> str:
+    """One row per category (then overall): every method's decode tok/s, and for each `focus` method its
+    speedup over `baseline` (tokens-weighted mean and per-prompt median), mean accepted tokens and match."""
+    methods = list(results["methods"])
+    head = ["category"] + [f"{m} tok/s" for m in methods]
+    for m in focus:
+        head += [f"{m} vs {baseline}", f"{m} median", f"{m} mean acc.", f"{m} match"]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for cat in categories_of(results) + [OVERALL]:
+        row = [f"**{cat}**" if cat == OVERALL else cat]
+        entries = {m: summary_of(results["methods"][m], cat) or {} for m in methods}
+        row += [_fmt(entries[m].get("tokens_per_s"), ".1f") for m in methods]
+        for m in focus:
+            e = entries[m]
+            row += [_times(e.get(f"speedup_vs_{baseline}")), _times(e.get(f"median_speedup_vs_{baseline}")),
+                    _fmt(e.get("mean_accepted_tokens"), ".2f"), _fmt(e.get("greedy_match_rate"), ".2f")]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def answers_by_source(path: Path, method: str) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    """From a `rasd bench --answers` file: (category -> source -> accepted draft tokens, category -> generated
+    tokens) for `method`, each also summed under `overall`. Bonus tokens are the target's own, not drafts."""
+    by_source: dict[str, dict[str, int]] = {}
+    generated: dict[str, int] = {}
+    text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text(encoding="utf-8")
+    for line in text.splitlines():
+        row = json.loads(line)
+        if row["method"] != method:
+            continue
+        for cat in (row["category"], OVERALL):
+            generated[cat] = generated.get(cat, 0) + int(row["new_tokens"])
+            counts = by_source.setdefault(cat, {})
+            for source, count in (row.get("accepted_by_source") or {}).items():
+                if source not in ("bonus", "prefill"):
+                    counts[source] = counts.get(source, 0) + int(count)
+    return by_source, generated
+
+
+def source_share_table(by_source: dict[str, dict[str, int]], generated: dict[str, int]) -> str:
+    """Per category: each source's share of the accepted draft tokens, and accepted drafts per 100 generated."""
+    sources = sorted({s for counts in by_source.values() for s in counts})
+    cats = sorted(c for c in generated if c != OVERALL) + [OVERALL]
+    lines = ["| category | " + " | ".join(sources) + " | drafted tokens accepted per 100 generated |",
+             "|---" + "|---:" * (len(sources) + 1) + "|"]
+    for cat in cats:
+        counts = by_source.get(cat, {})
+        total = sum(counts.values())
+        cells = [f"{100 * counts.get(s, 0) / total:.0f}%" if total else "-" for s in sources]
+        name = f"**{cat}**" if cat == OVERALL else cat
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {100 * total / max(generated[cat], 1):.0f} |")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------ document model
@@ -523,16 +591,60 @@ def write_report(results: dict[str, Any], out_dir: str | Path, source: str | Non
     return md_path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m rasd.eval.report results.json --out DIR`: rebuild a report from saved results."""
-    parser = argparse.ArgumentParser(prog="python -m rasd.eval.report",
-                                     description="Write a benchmark report from a `rasd bench` results.json.")
-    parser.add_argument("results", help="results.json written by `rasd bench --out`")
-    parser.add_argument("--out", required=True, help="folder for report.md, report.html and the plots")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `rasd report` and `python -m rasd.eval.report` (one list for both)."""
+    parser.add_argument("results", help="results.json written by `rasd bench --out` (with --sources: the "
+                                        "answers file written by `rasd bench --answers`)")
+    parser.add_argument("--out", default=None, help="folder for report.md, report.html and the plots")
     parser.add_argument("--cost-dir", default=None,
                         help="take cost curves from this cache (e.g. ~/.cache/rasd/cost) when the results lack them")
     parser.add_argument("--no-html", action="store_true", help="write report.md and the plots only")
-    args = parser.parse_args(argv)
+    tables = parser.add_mutually_exclusive_group()
+    tables.add_argument("--table", action="store_true",
+                        help="print the speed table per category (Markdown) instead of writing a report")
+    tables.add_argument("--sources", action="store_true",
+                        help="RESULTS is an answers .jsonl[.gz]: print accepted draft tokens by source per category")
+    parser.add_argument("--focus", action="append", default=None, metavar="METHOD",
+                        help="with --table: a method to give speedup, acceptance and match columns (repeatable; "
+                             "default pld)")
+    parser.add_argument("--baseline", default="hf", choices=("hf", "ar"), help="with --table: the speedups' base")
+    parser.add_argument("--method", default="rasd", help="with --sources: the method whose answers are counted")
+
+
+DESCRIPTION = "Write a benchmark report from a `rasd bench` results.json, or print its tables as Markdown."
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """`rasd report`."""
+    p = subparsers.add_parser("report", help="rebuild a benchmark report, or print its tables as Markdown",
+                              description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m rasd.eval.report results.json --out DIR`, the same as `rasd report`."""
+    parser = argparse.ArgumentParser(prog="python -m rasd.eval.report", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Rebuild a report from saved results; `--table` and `--sources` print the Markdown tables
+    docs/benchmarks.md quotes instead."""
+    if args.sources:
+        try:
+            print(source_share_table(*answers_by_source(Path(args.results), args.method)))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"report: error: cannot read {args.results} as a `rasd bench --answers` file: {exc}",
+                  file=sys.stderr)
+            return 2
+        return 0
+    if not args.table and args.out is None:
+        print("report: error: --out is required to write a report (or print a table: --table, --sources)",
+              file=sys.stderr)
+        return 2
     try:
         results = json.loads(Path(args.results).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -541,6 +653,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not isinstance(results, dict) or not isinstance(results.get("methods"), dict):
         print(f"report: error: {args.results} is not a `rasd bench` results file (no `methods`)", file=sys.stderr)
         return 2
+    if args.table:
+        focus = args.focus or ["pld"]
+        unknown = [m for m in focus if m not in results["methods"]]
+        if unknown:
+            print(f"report: error: {', '.join(unknown)} not in {args.results} (it has "
+                  f"{', '.join(results['methods'])})", file=sys.stderr)
+            return 2
+        print(speed_table(results, focus, args.baseline))
+        return 0
     path = write_report(results, args.out, source=args.results, cost_dir=args.cost_dir,
                         html_file=not args.no_html)
     print(f"report: {path}", file=sys.stderr)

@@ -6,7 +6,7 @@ positions, though: the paired difference (head B right where A is wrong, minus t
 positions share and separates heads whose agreements the report cannot. Its standard error is taken over
 held-out sequences (positions of one answer are not independent draws).
 
-    python scripts/compare_heads.py REFERENCE.safetensors CANDIDATE.safetensors [MORE ...]
+    python bench/compare_heads.py REFERENCE.safetensors CANDIDATE.safetensors [MORE ...]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The static-shape verification path (`static_step`), run uncaptured on the CPU as CI can.
 
-On CUDA the same step is captured as CUDA graphs (`scripts/gpu_check.py --device cuda`); here it must give
+On CUDA the same step is captured as CUDA graphs (`tests/gpu/`, run on a machine with CUDA); here it must give
 the dynamic path's logits, HF `generate`'s greedy tokens for every method, single and batched with rows
 joining and leaving, and acceptance that bucket padding never changes.
 """

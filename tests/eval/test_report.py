@@ -1,12 +1,14 @@
 """Tests of the benchmark report (`rasd bench --report DIR`, `python -m rasd.eval.report`).
 
-Reports are built from a hand-made results dict with every optional key, from the committed
-docs/bench_results_limit5.json (written before the report existed: plots must be skipped with a note),
-and end to end through `rasd bench --report` on a tiny random Llama (the model loader is patched to return it).
+Reports are built from a hand-made results dict with every optional key, from
+tests/eval/data/results_before_report.json (a real run written before the report existed: plots must be
+skipped with a note), and end to end through `rasd bench --report` on a tiny random Llama (the model loader
+is patched to return it).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from pathlib import Path
@@ -19,7 +21,7 @@ from rasd.eval.runners import RunRecord
 from tests.eval import test_bench
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMITTED = ROOT / "docs" / "bench_results_limit5.json"
+COMMITTED = ROOT / "tests" / "eval" / "data" / "results_before_report.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = ("speedup.png", "accepted_tokens.png", "position_acceptance.png", "accepted_by_source.png",
              "cost_curve.png")
@@ -241,3 +243,64 @@ def test_bench_report_end_to_end_on_a_tiny_llama(tiny_target, tmp_path, monkeypa
     # a random model may never draft deep enough to plot per-position rates: then a note stands in
     assert (rep / "position_acceptance.png").exists() or "no verified tree held a draft token" in md
     assert (rep / "report.html").exists()
+
+
+# ------------------------------------------------------------------- the Markdown tables docs/ quotes
+
+
+def test_speed_table_per_category_with_focus_columns(tmp_path, capsys):
+    results = synthetic_results()
+    lines = report.speed_table(results, ["rasd"], "hf").splitlines()
+    assert lines[0] == ("| category | ar tok/s | hf tok/s | rasd tok/s | rasd vs hf | rasd median | rasd mean acc. "
+                        "| rasd match |")
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| qa", "| rag", "| **overall**"]
+    qa = results["methods"]["rasd"]["per_category"]["qa"]
+    assert lines[2] == (f"| qa | 11.0 | 11.6 | {qa['tokens_per_s']:.1f} | {qa['speedup_vs_hf']:.2f}x | - | 2.50 "
+                        "| 1.00 |")
+    assert " | - | - | 2.50 |" in lines[3]                       # rag: no speedup recorded for it
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    assert report.main([str(path), "--table", "--focus", "rasd", "--baseline", "ar"]) == 0
+    printed = capsys.readouterr().out
+    assert "rasd vs ar" in printed and f"{21.234 / 10.0:.2f}x" in printed and not (tmp_path / "report.md").exists()
+    assert report.main([str(path), "--table", "--focus", "pld"]) == 2           # pld was not run
+    assert "pld not in" in capsys.readouterr().err
+
+
+def test_source_shares_from_an_answers_file(tmp_path, capsys):
+    rows = [
+        {"method": "rasd", "category": "qa", "new_tokens": 100, "accepted_by_source": {"bonus": 60, "context": 30,
+                                                                                        "recycling": 10}},
+        {"method": "rasd", "category": "coding", "new_tokens": 50, "accepted_by_source": {"bonus": 40, "draft": 10}},
+        {"method": "pld", "category": "qa", "new_tokens": 100, "accepted_by_source": {"context": 99}},
+    ]
+    path = tmp_path / "answers.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    by_source, generated = report.answers_by_source(path, "rasd")
+    assert by_source["qa"] == {"context": 30, "recycling": 10} and generated["overall"] == 150
+    text = report.source_share_table(by_source, generated).splitlines()
+    assert text[0].startswith("| category | context | draft | recycling |")
+    assert text[2:] == ["| coding | 0% | 100% | 0% | 20 |", "| qa | 75% | 0% | 25% | 40 |",
+                        "| **overall** | 60% | 20% | 20% | 33 |"]
+    assert report.main([str(path), "--sources", "--method", "pld"]) == 0
+    assert capsys.readouterr().out.splitlines()[2] == "| qa | 100% | 99 |"
+
+
+def test_a_report_needs_out_unless_a_table_is_asked_for(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(synthetic_results()))
+    assert report.main([str(path)]) == 2
+    assert "--out is required" in capsys.readouterr().err
+    assert report.main([str(tmp_path / "missing.jsonl"), "--sources"]) == 2
+
+
+def test_rasd_report_is_the_same_entry_point(tmp_path, capsys):
+    from rasd import cli
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(synthetic_results()))
+    assert cli.main(["report", str(path), "--table", "--focus", "rasd"]) == 0
+    assert capsys.readouterr().out.strip() == report.speed_table(synthetic_results(), ["rasd"], "hf")
+    assert cli.main(["report", str(path), "--out", str(tmp_path / "r"), "--no-html"]) == 0
+    assert (tmp_path / "r" / "report.md").exists() and not (tmp_path / "r" / "report.html").exists()

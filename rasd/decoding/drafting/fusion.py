@@ -37,7 +37,7 @@ class PruneConfig:
     probabilities).
 
     `max_branches=4` was the best of 2, 4 and 8 measured with counts only (the embedded model has no draft
-    model): mean accepted 1.39, 1.51, 1.49 on LongBench document QA (scripts/measure_retrieval.py). `top_k=8` and
+    model): mean accepted 1.39, 1.51, 1.49 on LongBench document QA (bench/measure_retrieval.py). `top_k=8` and
     `min_prob=0` are unmeasured guesses: no draft model sharing the embedded model's tokenizer exists here.
     """
 

@@ -135,7 +135,7 @@ class RasdProposer:
         """"auto": the draft model, else nothing (counts); "draft", "recycling" or "counts" explicitly.
 
         Recycled probabilities are not the default: they are the target's top-k after the root token in
-        some EARLIER context. On 6 LongBench QA rows (scripts/measure_retrieval.py, 96 tokens) pruning with
+        some EARLIER context. On 6 LongBench QA rows (bench/measure_retrieval.py, 96 tokens) pruning with
         them raised mean accepted tokens only from 2.75 to 2.88 while trees grew from 19 to 25 nodes
         (pruned retrieval room is refilled with recycled nodes); not worth the verification cost on a CPU.
         """

@@ -13,7 +13,7 @@ on shared nodes), and the `max_nodes` best-scored nodes are kept. `tree.bucket` 
 length class: the cost-aware sizer learns acceptance rates per bucket, and longer matches are accepted more
 often. With no datastore and no scope this is prompt lookup.
 
-Defaults (`max_continuations=16`, `length=8`) were measured with `scripts/measure_retrieval.py`: embedded
+Defaults (`max_continuations=16`, `length=8`) were measured with `bench/measure_retrieval.py`: embedded
 SmolLM2-135M, CPU (2 cores, another process often busy), 4 LongBench rows (multifieldqa_en, qasper,
 gov_report), prompt = the first 1000 tokens of a row's document + its question, datastore = the 4 whole
 documents (24k tokens), request scoped to its own, 64 greedy tokens, cost-aware sizing. Mean accepted tokens
