@@ -376,7 +376,7 @@ class Service:
         heartbeat = None if self.scheduler is None else self.scheduler.beat
         decoder = build_decoder(self.target, p.method, draft=draft, heartbeat=heartbeat, **extra)
         warm_start(decoder.sizer, self._warm.get(p.method))
-        if p.sources and self.index is not None:
+        if p.sources and self.index is not None and spec.uses_index:   # only those draft from documents
             scope_proposer(decoder.proposer, self.index, p.sources)
         return decoder.stream(p.prompt_ids, p.max_tokens, p.sampling, self.target.eos_token_ids, p.stop,
                               logprobs=p.logprobs)
@@ -574,9 +574,7 @@ def manifest_stamp(index: str | None) -> tuple[int, int, int] | None:
 
 def finish_draft(stream: Any) -> None:
     """Free a finished request's draft state on its draft worker (a no-op for in-process drafts)."""
-    finish = getattr(getattr(stream.decoder.proposer, "draft", None), "finish", None)
-    if callable(finish):
-        finish()
+    stream.decoder.proposer.finish()
 
 
 def default_threads(replicas: int = 1) -> int:

@@ -26,6 +26,7 @@ import torch
 
 from rasd.decoding.drafting.optree import DEFAULT_MAX_DEPTH, delta_from_times, grow_opt_tree
 from rasd.decoding.model import fast_forward
+from rasd.decoding.proposers.base import ProposerBase
 from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.step.cache import TreeCache
 from rasd.decoding.step.sampling import GREEDY, SamplingParams, target_probs
@@ -37,7 +38,7 @@ SHAPES = ("topk", "optree")
 DEFAULT_WINDOW = 256   # prompt tokens a draft reads (see `DraftModelProposer.__init__`)
 
 
-class DraftModelProposer:
+class DraftModelProposer(ProposerBase):
     """Chain (width=1, top_k=1), top-k tree or OPT-Tree (shape="optree") drafts from a separate small model."""
 
     name = "draft"
