@@ -8,6 +8,7 @@ type, and a short greedy decode through it gives `ar`'s tokens. A new method is 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ import torch
 from rasd.decoding.drafting.history import ResponseHistory
 from rasd.decoding.proposers import METHODS, MethodSpec, Proposer, ProposerBase, RecyclingMatrix, make_proposer
 from rasd.decoding.proposers.base import OPTIONAL_HOOKS
+from rasd.decoding.proposers.early_exit import make_adaeagle, make_eesd
+from rasd.decoding.proposers.options import GatedOptions
+from rasd.decoding.proposers.rasd import RasdConfig
 from rasd.decoding.proposers.registry import HEAD, HEAD_BY_DEFAULT, NO_DRAFT, SELF_DRAFT
 from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
@@ -105,3 +109,29 @@ def test_the_base_hooks_do_nothing_and_draft_nothing() -> None:
     assert base.propose([5, 6], 8).num_draft_tokens == 0
     target = tiny_llama(0)
     assert decode(target, base) == decode(target, make_proposer("ar"))
+
+
+# Variant options that `build_decoder` or a method's `configure` consumes (the rest reach the proposer).
+DECODER_KEYS = {f.name for f in dataclasses.fields(GatedOptions)} | {"single_node", "history", "head", "eagle",
+                                                                      "eesd", "ldlp", "drafter"}
+
+
+BUILT_BY = {"eesd": make_eesd, "adaeagle": make_adaeagle}   # proposers a function builds, with its own defaults
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_variant_option_is_a_real_knob_with_the_proposers_default(method: str, tmp_path: Path) -> None:
+    """Each option a variant may set reaches the proposer (no TypeError) and declares the default it really has:
+    the options class is not a second, drifting list of the proposer's parameters."""
+    target = tiny_llama(0)
+    spec = METHODS[method]
+    options = {k: v for k, v in spec.defaults().items() if k not in DECODER_KEYS}
+    proposer = make_proposer(method, **inputs_for(spec, target, tmp_path), **options)
+    declared = real_defaults(RasdConfig if method == "rasd" else BUILT_BY.get(method, type(proposer).__init__))
+    for key, value in options.items():
+        if key in declared and key != "max_depth":   # max_depth: None there means the shape's own cap
+            assert declared[key] == value, f"{method}: option {key}={value}, the proposer's default {declared[key]}"
+
+
+def real_defaults(fn: Any) -> dict[str, Any]:
+    return {n: p.default for n, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
