@@ -91,7 +91,8 @@ class RasdConfig:
     short_copies: bool = True
     # the shortest match of the request's own text to copy from; None: 2 with a drafter, else 1 (as `pld`)
     context_min_ngram: int | None = None
-    # options of the local draft's `DraftModelProposer` (none with `draft_proposer`)
+    # `DraftConfig` fields of the local draft's `DraftModelProposer` (none with `draft_proposer`); a dict, as
+    # draft workers get theirs
     draft_options: dict[str, Any] = field(default_factory=dict)
     # options of the recycled tree's `RecyclingProposer`
     recycling_options: dict[str, Any] = field(default_factory=dict)
@@ -147,8 +148,9 @@ class RasdProposer(ProposerBase):
                     draft_options: dict[str, Any] | None) -> Any:
         """A local `DraftModelProposer` over `draft_model`, or an already-built one (`draft_proposer`).
 
-        Why both: a draft served elsewhere (`rasd.distributed.draft_worker.RemoteDraft`, duck-typed `start`,
-        `propose`, `root_probs`) is built by the caller, with its options where the model lives.
+        Why both: a draft served elsewhere (`rasd.distributed.draft_worker.RemoteDraft`, a `ProposerBase` with
+        the drafter's hooks `root_probs`, `gate_open`, `finish`) is built by the caller, with its options where
+        the model lives.
         """
         if draft_proposer is None:
             return None if draft_model is None else DraftModelProposer(draft_model, **(draft_options or {}))
