@@ -1,5 +1,6 @@
-"""Proposers, one per file, all behind the small `Proposer` protocol; `registry` declares each method once
-(what it needs, how it is built) and `make_proposer` builds one by name."""
+"""Proposers, one per file, each a `ProposerBase` (the `Proposer` protocol's three methods plus optional hooks
+with defaults, `base`); `registry` declares each method once (what it needs, how it is built, the options a
+variant may set: `options`) and `make_proposer` builds one by name."""
 
 from __future__ import annotations
 
