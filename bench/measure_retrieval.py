@@ -40,7 +40,6 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
     "recycling tmpl": ("recycling", {"shape": "template"}),
     "rasd norec": ("rasd", {"recycling": None}),
     "rasd b4": ("rasd", {}),
-    "rasd rec-always": ("rasd", {"recycle_when": "always"}),
     "rasd rec-prune": ("rasd", {"prune_with": "recycling"}),
     "rasd b2": ("rasd", {"prune_config": PruneConfig(max_branches=2)}),
     "rasd b8 share.1": ("rasd", {"prune_config": PruneConfig(max_branches=8, min_share=0.1)}),

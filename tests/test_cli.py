@@ -169,6 +169,9 @@ def test_stop_waits_for_serve_only_as_long_as_its_bound() -> None:
     (["bench", "--dataset", "/no/such.jsonl", "--methods", "ar"], "dataset /no/such.jsonl not found"),
     (["bench", "--dataset", "/no/such.jsonl", "--methods", "ar,spec"], "unknown method 'spec'"),
     (["bench", "--dataset", "/no/such.jsonl", "--methods", "rasd:head"], "options are KEY=VALUE"),
+    (["bench", "--dataset", "/no/such.jsonl", "--methods", "ar,rasd:histroy=off"],
+     "method 'rasd' has no option 'histroy'; valid: "),
+    (["bench", "--dataset", "/no/such.jsonl", "--methods", "pld:max_ngram=many"], "max_ngram='many': expected an"),
     (["load", "--concurrency", "a,b"], "--concurrency needs positive integers"),
 ])
 def test_bench_and_load_arguments_give_one_line_error_before_a_model_loads(

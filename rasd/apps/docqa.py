@@ -88,11 +88,10 @@ def fit_sources(tokenizer: Any, question: str, sources: list[Source], max_prompt
 
 
 def scope_proposer(proposer: Any, index: Any, sources: list[Source]) -> None:
-    """Give a retrieval proposer the documents the retrieved sources come from as its per-request scope."""
-    scope_fn = getattr(proposer, "scope", None)
-    if callable(scope_fn):
-        doc_ids = list(dict.fromkeys(s.doc_id for s in sources))
-        scope_fn(index.document_tokens(doc_ids) if doc_ids else None)
+    """Give a retrieval proposer the documents the retrieved sources come from as its per-request scope (callers
+    skip methods that do not use the index: reading the documents is a call per shard)."""
+    doc_ids = list(dict.fromkeys(s.doc_id for s in sources))
+    proposer.scope(index.document_tokens(doc_ids) if doc_ids else None)
 
 
 class DocQA:
@@ -125,7 +124,8 @@ class DocQA:
 
     def scope(self, sources: list[Source]) -> None:
         """Point the proposer's per-request datastore at the documents the answer will draw on."""
-        scope_proposer(self.decoder.proposer, self.index, sources)
+        if method_spec(self.method).uses_index:
+            scope_proposer(self.decoder.proposer, self.index, sources)
 
     def ask(self, question: str, max_new_tokens: int | None = None, sampling: SamplingParams | None = None,
             top_k: int | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> Answer:

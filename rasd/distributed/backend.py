@@ -299,7 +299,7 @@ class LocalBackend(DecodingBackend):
             extra["draft_proposer"], draft = self.drafts.remote_draft(), None
         decoder = build_decoder(self.target, p.method, draft=draft, heartbeat=self.scheduler.beat, **extra)
         warm_start(decoder.sizer, self._warm.get(p.method))
-        if p.sources and index is not None:
+        if p.sources and index is not None and spec.uses_index:   # only those draft from documents
             scope_to_sources(decoder.proposer, index, p.sources)
         return decoder.stream(p.prompt_ids, p.max_tokens, p.sampling, self.target.eos_token_ids, p.stop,
                               logprobs=p.logprobs)
@@ -397,10 +397,8 @@ class LocalBackend(DecodingBackend):
 def scope_to_sources(proposer: Any, index: Any, sources: list[Any]) -> None:
     """Give a retrieval proposer the documents the retrieved sources come from as its per-request scope
     (as `rasd.apps.docqa.scope_proposer`, which this layer may not import)."""
-    scope_fn = getattr(proposer, "scope", None)
-    if callable(scope_fn):
-        doc_ids = list(dict.fromkeys(s.doc_id for s in sources))
-        scope_fn(index.document_tokens(doc_ids) if doc_ids else None)
+    doc_ids = list(dict.fromkeys(s.doc_id for s in sources))
+    proposer.scope(index.document_tokens(doc_ids) if doc_ids else None)
 
 
 def manifest_stamp(index: str | None) -> tuple[int, int, int] | None:
@@ -416,9 +414,7 @@ def manifest_stamp(index: str | None) -> tuple[int, int, int] | None:
 
 def finish_draft(stream: Any) -> None:
     """Free a finished request's draft state on its draft worker (a no-op for in-process drafts)."""
-    finish = getattr(getattr(stream.decoder.proposer, "draft", None), "finish", None)
-    if callable(finish):
-        finish()
+    stream.decoder.proposer.finish()
 
 
 def sizer_state(sizer: Sizer) -> dict[str, Any]:

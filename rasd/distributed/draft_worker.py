@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from rasd.decoding.model.eagle_head import EagleHead, head_path, head_taps
+from rasd.decoding.proposers.base import ProposerBase
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.eagle import EagleProposer
 from rasd.decoding.sizing.grow import GrowRule
@@ -252,7 +253,7 @@ class DraftHealth:
         return asdict(self)
 
 
-class RemoteDraft:
+class RemoteDraft(ProposerBase):
     """A `DraftModelProposer` look-alike whose draft runs in a `DraftWorker` (see the module docstring).
 
     One per request: it holds the request id. `model` is None so the engine has no local module to touch.

@@ -149,15 +149,16 @@ def _validate(args: argparse.Namespace, methods: list[str]) -> None:
         raise ValueError("method hf-assisted needs --draft-model")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
-    from rasd.decoding.proposers.registry import method_spec
-    from rasd.eval.runners import HF_METHODS, method_variant
+    from rasd.decoding.proposers.registry import METHODS, method_variant
+    from rasd.eval.runners import HF_METHODS
 
-    for name in methods:   # a misspelt method fails now, not after the model has loaded
+    for name in methods:   # a misspelt method, option key or value fails now, not after the model has loaded
         if name not in HF_METHODS:
             try:
-                method_spec(method_variant(name)[0])
+                method_variant(name)
             except ValueError as exc:
-                raise ValueError(f"{exc} (or an HF baseline: {', '.join(HF_METHODS)})") from exc
+                hint = f" (or an HF baseline: {', '.join(HF_METHODS)})" if name.partition(":")[0] not in METHODS else ""
+                raise ValueError(f"{exc}{hint}") from exc
 
 
 def run_from_args(args: argparse.Namespace) -> int:

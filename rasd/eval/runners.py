@@ -249,6 +249,7 @@ class EngineRunner:
 
     def __init__(self, name: str, target: LoadedModel, sampling: SamplingConfig,
                  draft: LoadedModel | None = None) -> None:
+        from rasd.decoding.proposers.registry import method_variant
         from rasd.decoding.runtime.engine import build_decoder
 
         self.name = name
@@ -261,8 +262,8 @@ class EngineRunner:
 
     def after_warmup(self) -> None:
         """Forget the warm-up's answer: a response history would draft the first prompt from it."""
-        history = getattr(self.decoder.proposer, "history", None)
-        if history is not None and hasattr(history, "clear"):
+        history = self.decoder.proposer.history
+        if history is not None:
             history.clear()
 
     def prepare(self, prompts: Sequence[BenchPrompt], max_new_tokens: int) -> None:
@@ -287,10 +288,8 @@ class EngineRunner:
         scope, proposer = prompt.scope, self.decoder.proposer
         if scope is None:
             return
-        if hasattr(proposer, "set_datastores"):
-            proposer.set_datastores(scope.datastores)
-        if hasattr(proposer, "scope"):
-            proposer.scope(scope.scope_docs or None)
+        proposer.set_datastores(scope.datastores)
+        proposer.scope(scope.scope_docs or None)
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> RunRecord:
         from rasd.decoding.step.sampling import SamplingParams
@@ -317,29 +316,6 @@ class EngineRunner:
                          drafted_by_source=dict(stats.drafted_by_source))
 
 
-def method_variant(name: str) -> tuple[str, dict[str, Any]]:
-    """`rasd:history=off` -> ("rasd", {"history": False}): a method with options changed, so that it runs
-    beside the plain one in the same benchmark (values: on/off, integers, floats, else text)."""
-    method, _, rest = name.partition(":")
-    options: dict[str, Any] = {}
-    for pair in filter(None, rest.split(";")):
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"method {name!r}: options are KEY=VALUE, e.g. rasd:history=off")
-        options[key] = _option_value(value)
-    return method, options
-
-
-def _option_value(text: str) -> Any:
-    flags = {"on": True, "true": True, "off": False, "false": False}
-    if text.lower() in flags:
-        return flags[text.lower()]
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def make_runner(name: str, target: LoadedModel, sampling: SamplingConfig,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rasd.decoding.proposers import RecyclingMatrix, RecyclingProposer, make_proposer
+from rasd.decoding.proposers import ProposerBase, RecyclingMatrix, RecyclingProposer, make_proposer
 from rasd.decoding.proposers.recycling import RANK_PRIOR, template
 from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
@@ -230,14 +230,14 @@ def datastore_for(target: torch.nn.Module, prompt: list[int]) -> SuffixArray:
     return SuffixArray.from_documents([prompt[-6:] + ref[:20], random_prompt(50, 77)])
 
 
-@pytest.mark.parametrize(("prune_with", "recycle_when"), [("counts", "fallback"), ("counts", "always"),
-                                                         ("recycling", "always")])
-def test_rasd_with_recycling_greedy_equals_hf(prune_with: str, recycle_when: str) -> None:
+@pytest.mark.parametrize(("prune_with", "flat"), [("counts", False), ("counts", True), ("recycling", True)])
+def test_rasd_with_recycling_greedy_equals_hf(prune_with: str, flat: bool) -> None:
+    """Lossless with recycled nodes as a fallback (a steep curve) and beside every match (a flat one)."""
     target = tiny_llama(0)
     prompt = repeated_prompt(40, 3)
     proposer = make_proposer("rasd", datastores=[datastore_for(target, prompt)],
                              recycling=RecyclingMatrix(TINY_VOCAB), prune_with=prune_with,
-                             recycle_when=recycle_when)
+                             flat_curve=(lambda n: True) if flat else None)
     decoder = SpeculativeDecoder(target, proposer, sizer=FixedSizer(16))
     for n in (30, 30):                          # the second run starts with a hot matrix
         out = decoder.generate(prompt, n)
@@ -256,31 +256,26 @@ def test_rasd_recycles_only_as_a_fallback_by_default() -> None:
     proposer.start([5, 6], SamplingParams())
     unmatched = proposer.propose([5, 6], 8)
     assert set(unmatched.sources[1:]) == {"recycling"} and unmatched.num_draft_tokens == 8
-    always = make_proposer("rasd", recycling=matrix, recycle_when="always")
-    always.start([1, 2, 3, 1, 2], SamplingParams())
-    assert {"context", "recycling"} <= set(always.propose([1, 2, 3, 1, 2], 8).sources)
-    with pytest.raises(ValueError, match="recycle_when"):
-        make_proposer("rasd", recycling=matrix, recycle_when="never")
+    with pytest.raises(TypeError, match="recycle_when"):   # removed: `flat_curve` alone decides
+        make_proposer("rasd", recycling=matrix, recycle_when="always")
 
 
 @pytest.mark.parametrize("flat", [True, False])
 def test_rasd_auto_recycles_beside_matches_only_on_a_flat_curve(flat: bool) -> None:
-    """"auto" asks the cost curve (per context length) whether extra recycled nodes are nearly free."""
+    """With `flat_curve` the cost curve (per context length) says whether extra recycled nodes are nearly free."""
     asked: list[int] = []
 
     def flat_curve(n: int) -> bool:
         asked.append(n)
         return flat
 
-    proposer = make_proposer("rasd", recycling=hand_matrix(), recycle_when="auto", flat_curve=flat_curve)
+    proposer = make_proposer("rasd", recycling=hand_matrix(), flat_curve=flat_curve)
     proposer.start([1, 2, 3, 1, 2], SamplingParams())
     sources = set(proposer.propose([1, 2, 3, 1, 2], 8).sources)
     assert "context" in sources and ("recycling" in sources) == flat and asked == [5]
-    with pytest.raises(ValueError, match="flat_curve"):
-        make_proposer("rasd", recycling=hand_matrix(), recycle_when="auto")
 
 
-def test_curve_is_flat_and_build_decoder_picks_auto() -> None:
+def test_curve_is_flat_and_build_decoder_asks_it_with_cost_sizing() -> None:
     from rasd.decoding.runtime.engine import build_decoder
     from rasd.decoding.sizing.cost import CostCurve, curve_is_flat
 
@@ -291,8 +286,8 @@ def test_curve_is_flat_and_build_decoder_picks_auto() -> None:
     class Loaded:
         model, name, tokenizer, max_context, device, dtype = tiny_llama(0), "tiny", None, 512, "cpu", "float32"
 
-    assert build_decoder(Loaded(), "rasd").proposer.recycle_when == "auto"
-    assert build_decoder(Loaded(), "rasd", sizing="fixed").proposer.recycle_when == "fallback"
+    assert build_decoder(Loaded(), "rasd").proposer.flat_curve is not None
+    assert build_decoder(Loaded(), "rasd", sizing="fixed").proposer.flat_curve is None
 
 
 def test_rasd_prune_with_needs_its_source() -> None:
@@ -321,7 +316,7 @@ def test_recycling_sampling_is_exact() -> None:
     check_against_exact(counts, joint, "recycling T=1")
 
 
-class ChainDraft:
+class ChainDraft(ProposerBase):
     """A drafter that proposes a fixed chain (or nothing): which sources `rasd` adds beside a draft is pure logic."""
 
     def __init__(self, tokens: list[int]):
@@ -340,16 +335,15 @@ class ChainDraft:
 def test_rasd_recycles_beside_no_draft_tree_on_a_steep_curve() -> None:
     """The recycled tree is a fallback for steps where no source has a guess: a draft tree is one. (Drafts 0, 1:
     tokens the matrix does not propose after 6, so no node is credited to recycling instead.)"""
-    for recycle_when, options in (("fallback", {}), ("auto", {"flat_curve": lambda n: False})):
+    for flat_curve in (None, lambda n: False):   # no curve (fixed sizing), a steep one
         drafting = make_proposer("rasd", recycling=hand_matrix(), draft_proposer=ChainDraft([0, 1]),
-                                 recycle_when=recycle_when, **options)
+                                 flat_curve=flat_curve)
         drafting.start([5, 6], SamplingParams())
-        assert drafting.propose([5, 6], 8).sources[1:] == ["draft", "draft"], recycle_when
-        silent = make_proposer("rasd", recycling=hand_matrix(), draft_proposer=ChainDraft([]),
-                               recycle_when=recycle_when, **options)
+        assert drafting.propose([5, 6], 8).sources[1:] == ["draft", "draft"], flat_curve
+        silent = make_proposer("rasd", recycling=hand_matrix(), draft_proposer=ChainDraft([]), flat_curve=flat_curve)
         silent.start([5, 6], SamplingParams())
-        assert set(silent.propose([5, 6], 8).sources[1:]) == {"recycling"}, recycle_when
-    flat = make_proposer("rasd", recycling=hand_matrix(), draft_proposer=ChainDraft([0, 1]), recycle_when="auto",
+        assert set(silent.propose([5, 6], 8).sources[1:]) == {"recycling"}, flat_curve
+    flat = make_proposer("rasd", recycling=hand_matrix(), draft_proposer=ChainDraft([0, 1]),
                          flat_curve=lambda n: True)
     flat.start([5, 6], SamplingParams())
     assert {"draft", "recycling"} <= set(flat.propose([5, 6], 8).sources)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import rasd.decoding.step.verify as verify_mod
-from rasd.decoding.proposers import make_proposer
+from rasd.decoding.proposers import ProposerBase, make_proposer
 from rasd.decoding.runtime.engine import SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
 from rasd.decoding.step.sampling import SamplingParams, target_probs
@@ -282,12 +282,12 @@ def exact_joint(model: torch.nn.Module, prompt: list[int], params: SamplingParam
     return joint.double().numpy()
 
 
-class Recording:
+class Recording(ProposerBase):
     """Wraps a proposer and records what it proposed (to show each test exercises what it claims)."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: ProposerBase):
         self.inner, self.name = inner, inner.name
-        self.model = getattr(inner, "model", None)
+        self.model = inner.model
         self.max_root_children = 0
         self.nodes_with_q = 0
         self.lengths: set[int] = set()   # sampled chain lengths seen

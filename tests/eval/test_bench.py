@@ -315,14 +315,51 @@ def test_rotation_and_method_parsing():
 
 
 def test_method_variants_run_a_method_with_options_changed():
-    from rasd.eval.runners import method_variant
+    """Keys and values are checked against the method's options class and converted to the field's type."""
+    from rasd.decoding.proposers.registry import method_variant
 
     assert method_variant("rasd") == ("rasd", {})
     assert method_variant("rasd:history=off") == ("rasd", {"history": False})
-    assert method_variant("pld:max_ngram=3;length=8.5;name=x") == ("pld", {"max_ngram": 3, "length": 8.5,
-                                                                        "name": "x"})
+    assert method_variant("rasd:head=auto;context_min_ngram=2") == ("rasd", {"head": "auto", "context_min_ngram": 2})
+    assert method_variant("pld:max_ngram=3;max_len=8") == ("pld", {"max_ngram": 3, "max_len": 8})
+    assert method_variant("eagle:sizing=fixed;max_nodes=1;min_prob=none;gate=on") == (
+        "eagle", {"sizing": "fixed", "max_nodes": 1, "min_prob": None, "gate": True})
+    assert method_variant("suffix:min_token_prob=0.25") == ("suffix", {"min_token_prob": 0.25})
     with pytest.raises(ValueError, match="KEY=VALUE"):
         method_variant("rasd:history")
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("rasd:histroy=off", "method 'rasd' has no option 'histroy'; valid: context_min_ngram, eagle, gate, head, "
+                         "history, max_nodes, prune_with, short_copies, sizing"),
+    ("pld:length=8", "method 'pld' has no option 'length'"),
+    ("ar:gate=off", "method 'ar' has no option 'gate'"),     # no draft model, no gate
+    ("rasd:history=maybe", "history='maybe': expected on or off"),
+    ("pld:max_ngram=3.5", "max_ngram='3.5': expected an integer"),
+    ("rasd:head=sometimes", "head='sometimes': expected one of auto, off"),
+    ("eagle:sizing=magic", "sizing='magic' is not one of cost, "),
+    ("spec:x=1", "unknown method 'spec'"),
+])
+def test_a_bad_method_variant_fails_at_parse_time_in_one_line(name, message):
+    from rasd.decoding.proposers.registry import method_variant
+
+    with pytest.raises(ValueError) as caught:
+        method_variant(name)
+    assert message in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+
+
+def test_a_good_variant_reaches_the_proposer(tiny_target):
+    """What a variant sets is what the decoder's proposer runs with (and the plain method keeps its defaults)."""
+    def proposer(name):
+        return runners.EngineRunner(name, tiny_target, SamplingConfig()).decoder.proposer
+
+    longer = proposer("rasd:sizing=fixed;context_min_ngram=3;history=off")
+    assert longer.retrieval.context.min_ngram == 3 and longer.short_copies is not None   # scored 1-token copies
+    assert longer.history is None and longer.flat_curve is None   # history off; fixed sizing: no cost curve
+    assert proposer("rasd:sizing=fixed;context_min_ngram=3;short_copies=off").short_copies is None
+    plain = proposer("rasd:sizing=fixed")
+    assert plain.retrieval.context.min_ngram == 1 and plain.history is not None
+    assert proposer("pld:max_ngram=2;sizing=fixed").max_ngram == 2
 
 
 def test_table_and_plot(tmp_path):

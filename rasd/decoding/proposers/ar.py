@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from rasd.decoding.proposers.base import ProposerBase
 from rasd.decoding.step.sampling import SamplingParams
 from rasd.decoding.step.tree import DraftTree
 from rasd.decoding.step.verify import Verdict
 
 
-class NoDraftProposer:
+class NoDraftProposer(ProposerBase):
     """The baseline: verification of a root-only tree is exactly one autoregressive step."""
 
     name = "ar"

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rasd.decoding.drafting.optree import DEFAULT_MAX_DEPTH, delta_from_times, grow_opt_tree
 from rasd.decoding.model import fast_forward
+from rasd.decoding.proposers.base import ProposerBase
 from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.step.cache import TreeCache
 from rasd.decoding.step.sampling import GREEDY, SamplingParams, target_probs
@@ -37,16 +39,38 @@ SHAPES = ("topk", "optree")
 DEFAULT_WINDOW = 256   # prompt tokens a draft reads (see `DraftModelProposer.__init__`)
 
 
-class DraftModelProposer:
+@dataclass
+class DraftConfig:
+    """The knobs of a model drafter's tree (`DraftModelProposer`; `EagleConfig` for the EAGLE head)."""
+
+    max_depth: int | None = None   # the deepest layer; None: OPT-Tree's cap for shape "optree", else 6
+    top_k: int = 1                 # children tried per frontier node
+    width: int = 1                 # frontier nodes kept per layer, by path probability p̂
+    min_prob: float | None = 0.05  # stop deepening below this p̂; None: δ (draft forward / target step)
+    seed: int = 0                  # the sampling chain's generator
+    shape: str = "topk"            # "topk" (chain / EAGLE-2 tree) or "optree" (`drafting.optree`)
+    delta: float | None = None     # OPT-Tree's δ when fixed; None: measured (`target_step_s`)
+    target_step_s: Callable[[int], float | None] | None = None   # context length -> a plain target step (s)
+    node_cap: Callable[[int], int] | None = None   # context length -> OPT-Tree's node cap (the cost curve's)
+    window: int | None = DEFAULT_WINDOW   # prompt tokens the draft reads (None: all)
+
+
+class DraftModelProposer(ProposerBase):
     """Chain (width=1, top_k=1), top-k tree or OPT-Tree (shape="optree") drafts from a separate small model."""
 
     name = "draft"
+    config_class: type[DraftConfig] = DraftConfig   # the defaults of this drafter's knobs
 
-    def __init__(self, model: torch.nn.Module, max_depth: int | None = None, top_k: int = 1, width: int = 1,
-                 min_prob: float | None = 0.05, seed: int = 0, shape: str = "topk", delta: float | None = None,
-                 target_step_s: Callable[[int], float | None] | None = None,
-                 node_cap: Callable[[int], int] | None = None, gate: DraftGate | None = None,
-                 window: int | None = DEFAULT_WINDOW):
+    def __init__(self, model: torch.nn.Module, gate: DraftGate | None = None, config: DraftConfig | None = None,
+                 **fields: Any):
+        """`model` drafts; `gate` decides per step whether to draft at all (`sizing.gate`, the engine gives one
+        with cost sizing); `config`, or its fields by name, sets the tree's knobs."""
+        if config is not None and fields:
+            raise ValueError("pass either config or DraftConfig fields, not both")
+        self.config = config = config if config is not None else self.config_class(**fields)
+        max_depth, top_k, width, min_prob = config.max_depth, config.top_k, config.width, config.min_prob
+        seed, shape, delta, target_step_s = config.seed, config.shape, config.delta, config.target_step_s
+        node_cap, window = config.node_cap, config.window
         if shape not in SHAPES:
             raise ValueError(f"unknown draft shape {shape!r}; choose one of {', '.join(SHAPES)}")
         self.model = model

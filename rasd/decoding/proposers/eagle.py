@@ -17,12 +17,13 @@ proposer's (EAGLE-2's dynamic tree is its top-k expansion with a global rerank b
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rasd.decoding.model.eagle_head import EagleHead
-from rasd.decoding.proposers.draft import DEFAULT_WINDOW, DraftModelProposer
+from rasd.decoding.proposers.draft import DraftConfig, DraftModelProposer
 from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.step.cache import GrowableLayer
 from rasd.decoding.step.sampling import SamplingParams
@@ -31,20 +32,29 @@ from rasd.decoding.step.tree import DraftTree
 SOURCE = "eagle"
 
 
+@dataclass
+class EagleConfig(DraftConfig):
+    """The EAGLE head's tree knobs: EAGLE-2's dynamic tree (top-8 children, 8 kept per layer, 6 deep)."""
+
+    max_depth: int | None = 6
+    top_k: int = 8
+    width: int = 8
+    min_prob: float | None = 0.02
+
+
 class EagleProposer(DraftModelProposer):
     """Draft trees from an `EagleHead`; the target's features arrive through `observe_hidden`."""
 
     name = "eagle"
     wants_hidden = True   # the engine passes the target's final-norm hidden states of committed positions
+    config_class = EagleConfig
 
-    def __init__(self, head: EagleHead, max_depth: int | None = 6, top_k: int = 8, width: int = 8,
-                 min_prob: float | None = 0.02, seed: int = 0, shape: str = "topk", gate: DraftGate | None = None,
-                 window: int | None = DEFAULT_WINDOW, **options: Any):
-        super().__init__(head, max_depth=max_depth, top_k=top_k, width=width, min_prob=min_prob, seed=seed,
-                         shape=shape, gate=gate, window=window, **options)
+    def __init__(self, head: EagleHead, gate: DraftGate | None = None, config: DraftConfig | None = None,
+                 **fields: Any):
+        super().__init__(head, gate, config, **fields)
         self.head = head
         self.source = SOURCE
-        if shape != "optree":
+        if self.config.shape != "optree":
             self.name = "eagle"
         self._reset_features()
 

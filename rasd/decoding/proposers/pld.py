@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import torch
 
+from rasd.decoding.proposers.base import ProposerBase
 from rasd.decoding.step.sampling import SamplingParams
 from rasd.decoding.step.tree import ROOT, DraftTree
 from rasd.decoding.step.verify import Verdict
@@ -82,7 +83,7 @@ def count_trie(root_token: int, continuations: list[list[int]], source: str,
                      scores=[1.0] + [c / total for c in counts[1:]])
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(ProposerBase):
     """n-gram lookup in the request's own prompt and generated text."""
 
     name = "pld"

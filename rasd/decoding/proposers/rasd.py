@@ -33,11 +33,13 @@ retrieval nodes are deterministic candidates grafted after the sampled ones (see
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rasd.decoding.drafting.fusion import ProbsFn, PruneConfig, fuse, merge_trees, prune
+from rasd.decoding.proposers.base import ProposerBase
 from rasd.decoding.proposers.draft import DraftModelProposer
 from rasd.decoding.proposers.recycling import SOURCE as RECYCLED
 from rasd.decoding.proposers.recycling import RecyclingMatrix, RecyclingProposer
@@ -70,40 +72,71 @@ if TYPE_CHECKING:   # the index package may pull in heavy deps (FAISS); import i
     from rasd.index.suffix_array import SuffixArray
 
 
-class RasdProposer:
+@dataclass
+class RasdConfig:
+    """`rasd`'s knobs (the objects it drafts from are `RasdProposer`'s own arguments). Defaults are the shipped
+    behaviour; `build_decoder` fills `flat_curve` and `draft_options` from the measured cost curve."""
+
+    # which probabilities prune the retrieval branches: "auto" (the draft's, else counts), "draft", "recycling"
+    # or "counts" (`_probability_source` says why recycled ones are not the default)
+    prune_with: str = "auto"
+    # how many retrieval branches survive pruning, and by which thresholds
+    prune_config: PruneConfig = field(default_factory=PruneConfig)
+    # any `context -> next-token probabilities [vocab]` to prune with instead of `prune_with`'s source
+    probs_fn: ProbsFn | None = None
+    # context length -> whether the target's cost curve is flat there: recycled tokens then join every step
+    # (extra nodes are nearly free); None: only as a fallback, on steps where no other source has a guess
+    flat_curve: Callable[[int], bool] | None = None
+    # one-token copies of the request's own text, scored per request (`ShortCopies`), beside a drafter
+    short_copies: bool = True
+    # the shortest match of the request's own text to copy from; None: 2 with a drafter, else 1 (as `pld`)
+    context_min_ngram: int | None = None
+    # `DraftConfig` fields of the local draft's `DraftModelProposer` (none with `draft_proposer`); a dict, as
+    # draft workers get theirs
+    draft_options: dict[str, Any] = field(default_factory=dict)
+    # options of the recycled tree's `RecyclingProposer`
+    recycling_options: dict[str, Any] = field(default_factory=dict)
+    # options of the response history's `SuffixProposer`
+    history_options: dict[str, Any] = field(default_factory=dict)
+    # further options of the `RetrievalProposer` (datastore and context lookups)
+    retrieval_options: dict[str, Any] = field(default_factory=dict)
+
+
+class RasdProposer(ProposerBase):
     """Retrieval tree, pruned by a probability source, fused into the draft model's tree."""
 
     name = "rasd"
 
     def __init__(self, datastores: Sequence[SuffixArray] | None = None, draft_model: torch.nn.Module | None = None,
-                 prune_config: PruneConfig | None = None, probs_fn: ProbsFn | None = None,
-                 draft_options: dict[str, Any] | None = None, recycling: RecyclingMatrix | None = None,
-                 recycling_options: dict[str, Any] | None = None, prune_with: str = "auto",
-                 recycle_when: str = "fallback", flat_curve: Callable[[int], bool] | None = None,
-                 draft_proposer: Any = None, gate: DraftGate | None = None,
-                 history: ResponseHistory | None = None, history_options: dict[str, Any] | None = None,
-                 short_copies: bool = True, **retrieval_options: Any):
-        self.draft = self._make_draft(draft_model, draft_proposer, draft_options)
-        if self.draft is not None:
+                 recycling: RecyclingMatrix | None = None, history: ResponseHistory | None = None,
+                 draft_proposer: Any = None, gate: DraftGate | None = None, config: RasdConfig | None = None,
+                 **fields: Any):
+        """What it drafts from (index datastores, a draft model or an already-built draft, the recycling
+        matrix, the response history) and the draft gate; `config`, or its `fields` by name, sets the knobs."""
+        if config is not None and fields:
+            raise ValueError("pass either config or RasdConfig fields, not both")
+        self.config = config = config if config is not None else RasdConfig(**fields)
+        self.draft = self._make_draft(draft_model, draft_proposer, config.draft_options)
+        retrieval_options = dict(config.retrieval_options)
+        if config.context_min_ngram is not None:
+            retrieval_options["context_min_ngram"] = config.context_min_ngram
+        elif self.draft is not None:
             retrieval_options.setdefault("context_min_ngram", CONTEXT_MIN_NGRAM_WITH_DRAFT)
         self.retrieval = RetrievalProposer(datastores, **retrieval_options)
-        self.short_copies = self._make_short_copies(short_copies)
+        self.short_copies = self._make_short_copies(config.short_copies)
         self.history = history   # the engine adds each finished response here (`GenerationStream.finish`)
-        history_options = dict(history_options or {})
+        history_options = dict(config.history_options)
         if self.draft is not None:
             history_options.setdefault("min_match", HISTORY_MIN_MATCH_WITH_DRAFT)
         self.from_history = None if history is None else SuffixProposer(history, use_context=False, **history_options)
-        self.recycling = None if recycling is None else RecyclingProposer(recycling, **(recycling_options or {}))
-        if recycle_when not in ("fallback", "always", "auto"):
-            raise ValueError(f"unknown recycle_when {recycle_when!r}; choose fallback, always or auto")
-        if recycle_when == "auto" and flat_curve is None:
-            raise ValueError("recycle_when='auto' needs flat_curve (the cost curve's verdict; see build_decoder)")
-        self.recycle_when, self.flat_curve = recycle_when, flat_curve
+        self.recycling = None if recycling is None else RecyclingProposer(recycling, **config.recycling_options)
+        self.flat_curve = config.flat_curve
         # the engine installs its fast kernels on `proposer.model` (a local draft's module, a head's too)
-        self.model = draft_model if draft_model is not None else getattr(self.draft, "model", None)
-        self.prune_config = prune_config or PruneConfig()
-        self.probs_fn = probs_fn if probs_fn is not None else self._probability_source(prune_with)
-        self._probs_from_draft = probs_fn is None and prune_with in ("auto", "draft") and self.draft is not None
+        self.model = self.draft.model if self.draft is not None else None
+        self.prune_config = config.prune_config
+        self.probs_fn = config.probs_fn if config.probs_fn is not None else self._probability_source(config.prune_with)
+        self._probs_from_draft = (config.probs_fn is None and config.prune_with in ("auto", "draft")
+                                  and self.draft is not None)
         # Whether to run the draft model this step, per retrieval match class: where the request's own text
         # already has the continuation, or the draft is rarely right, its forwards cost more than the tokens
         # they add (measured; `rasd.decoding.sizing.gate`). The engine gives one with cost sizing.
@@ -115,8 +148,9 @@ class RasdProposer:
                     draft_options: dict[str, Any] | None) -> Any:
         """A local `DraftModelProposer` over `draft_model`, or an already-built one (`draft_proposer`).
 
-        Why both: a draft served elsewhere (`rasd.distributed.draft_worker.RemoteDraft`, duck-typed `start`,
-        `propose`, `root_probs`) is built by the caller, with its options where the model lives.
+        Why both: a draft served elsewhere (`rasd.distributed.draft_worker.RemoteDraft`, a `ProposerBase` with
+        the drafter's hooks `root_probs`, `gate_open`, `finish`) is built by the caller, with its options where
+        the model lives.
         """
         if draft_proposer is None:
             return None if draft_model is None else DraftModelProposer(draft_model, **(draft_options or {}))
@@ -151,12 +185,12 @@ class RasdProposer:
     @property
     def wants_hidden(self) -> bool:
         """Whether the draft reads the target's features (an EAGLE head): the engine then hands them over."""
-        return bool(getattr(self.draft, "wants_hidden", False))
+        return self.draft is not None and self.draft.wants_hidden
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """The target layers the draft's head reads beside the final features (EAGLE-3)."""
-        return tuple(getattr(self.draft, "feature_layers", ()))
+        return () if self.draft is None else tuple(self.draft.feature_layers)
 
     def observe_hidden(self, start: int, hidden: torch.Tensor) -> None:
         """The target's features of positions start.. (`decoding.features`), for the draft."""
@@ -166,8 +200,13 @@ class RasdProposer:
         """The draft stops growing where the sizer says another layer cannot pay (`DraftModelProposer`); the
         sizer's one-node arm, when it has one, decides the steps where nothing was copied (`_gate_lets_draft`)."""
         self._sizer = sizer
-        if hasattr(self.draft, "use_sizer"):
+        if self.draft is not None:
             self.draft.use_sizer(sizer)
+
+    def finish(self) -> None:
+        """The request ended: its draft frees what it holds (a draft worker's state for this request)."""
+        if self.draft is not None:
+            self.draft.finish()
 
     def scope(self, doc_tokens: Sequence[Sequence[int]] | None) -> None:
         """This request's retrieved documents (see `RetrievalProposer.scope`)."""
@@ -196,9 +235,8 @@ class RasdProposer:
         earlier = self._history_trees(context, max_nodes)
         trees = trees + earlier   # a history match counts as a match (gate, recycling fallback, bucket)
         use_draft = self.draft is not None and self._gate_lets_draft(len(context), self._gate_bucket(trees))
-        if use_draft and hasattr(self.draft, "gate_open"):   # a local draft: can its first forward pay, beside
-            use_draft = self.draft.gate_open(context, self._free_nodes(context, trees, max_nodes))   # the rest?
-        single = use_draft and getattr(self._sizer, "single_step", None) is not None   # one head node alone
+        if use_draft:   # can its first forward pay, beside the rest? (a draft worker's always may)
+            use_draft = self.draft.gate_open(context, self._free_nodes(context, trees, max_nodes))
         probs = (self.probs_fn(context) if self.probs_fn is not None and retrieved.num_draft_tokens
                  and (use_draft or not self._probs_from_draft) else None)
         kept, pruned = prune(retrieved, probs, self.prune_config)
@@ -211,7 +249,7 @@ class RasdProposer:
         # source (measured on LongBench QA rows); retrieval branches, pruned, fill the remaining budget.
         # Recycled guesses come last: they exist at every step, but are less often right than a long match.
         recycled = ([self.recycling.propose(context, max_nodes)]
-                    if not single and self._recycle(context, trees, tree.num_draft_tokens > 0) else [])
+                    if self._recycle(context, trees, tree.num_draft_tokens > 0) else [])
         # the longer of the two copying matches first (the request's own text on a tie), as retrieval orders its
         # sources: a long history match is an earlier answer being repeated, a 1-token one is noise
         copying = sorted((*own, *earlier), key=lambda t: -t.bucket)
@@ -222,12 +260,8 @@ class RasdProposer:
         return tree
 
     def _gate_lets_draft(self, context_len: int, bucket: int) -> bool:
-        """The draft gate's arm for this step (True without a gate). Where nothing free matched (bucket 0) and
-        the sizer has its one-node arm, that arm decides instead (`CostAwareSizer.root_pays`): there `rasd` is
-        the head against the head with recycling, as `eagle` is the head against one head node a step."""
+        """The draft gate's arm for this step (True without a gate)."""
         if self.gate is None:
-            return True
-        if bucket == 0 and hasattr(self.draft, "gate_open") and getattr(self._sizer, "single_arm", None) is not None:
             return True
         return self.gate.choose(context_len, bucket, step=getattr(self._sizer, "steps", None))
 
@@ -258,9 +292,8 @@ class RasdProposer:
         return 0 if longest == 0 else 1 if longest < 4 else 2
 
     def _recycle(self, context: list[int], trees: list[DraftTree], drafted: bool) -> bool:
-        """Whether to add the recycled tree: always, ("fallback") only when no other source has a guess (no
-        match, and no draft tree this step), or ("auto") always where the cost curve is flat and as a fallback
-        where it is steep.
+        """Whether to add the recycled tree: where no other source has a guess (no match, and no draft tree this
+        step), and, given `flat_curve` (cost sizing), at every step where the cost curve is flat.
 
         Measured on LongBench QA rows on the CPU: added at every step, recycled nodes filled the budget beside
         the context's continuation and were rarely right there (44 of 1181 accepted), making trees 1.8x larger
@@ -271,9 +304,9 @@ class RasdProposer:
         """
         if self.recycling is None:
             return False
-        if self.recycle_when == "always" or not (drafted or any(t.num_draft_tokens for t in trees)):
+        if not (drafted or any(t.num_draft_tokens for t in trees)):
             return True
-        return self.recycle_when == "auto" and self.flat_curve is not None and self.flat_curve(len(context))
+        return self.flat_curve is not None and self.flat_curve(len(context))
 
     def observe(self, context: list[int], tree: DraftTree, verdict: Verdict, logits: torch.Tensor) -> None:
         """Recycle the target's top-k at every node; retrieval and draft catch up lazily in `propose`."""

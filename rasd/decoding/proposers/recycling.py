@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from rasd import paths
+from rasd.decoding.proposers.base import ProposerBase
 from rasd.decoding.step.sampling import SamplingParams
 from rasd.decoding.step.tree import DraftTree
 from rasd.decoding.step.verify import Verdict
@@ -165,7 +166,7 @@ def template(n: int, k: int, max_depth: int = 10) -> list[tuple[int, int]]:
     return out[1:]
 
 
-class RecyclingProposer:
+class RecyclingProposer(ProposerBase):
     """Draft trees read off the shared `RecyclingMatrix` (see the module docstring)."""
 
     name = "recycling"

@@ -8,14 +8,28 @@ Why one place: the CLI's checks, the service's 400s, the batch job, `build_decod
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from rasd.decoding.model.loading import is_self_draft
 from rasd.decoding.proposers.ar import NoDraftProposer
-from rasd.decoding.proposers.base import Proposer
+from rasd.decoding.proposers.base import ProposerBase
 from rasd.decoding.proposers.draft import DraftModelProposer
+from rasd.decoding.proposers.options import (
+    AdaeagleOptions,
+    DraftOptions,
+    EagleOptions,
+    EesdOptions,
+    MethodOptions,
+    OptreeOptions,
+    PldOptions,
+    RasdOptions,
+    RecyclingOptions,
+    RetrievalOptions,
+    SuffixOptions,
+    parse_variant,
+)
 from rasd.decoding.proposers.pld import PromptLookupProposer
 from rasd.decoding.proposers.rasd import RasdProposer
 from rasd.decoding.proposers.recycling import RecyclingProposer
@@ -65,7 +79,7 @@ class MethodSpec:
 
     name: str
     summary: str
-    build: Callable[[ProposerInputs], Proposer]
+    build: Callable[[ProposerInputs], ProposerBase]
     draft: str = NO_DRAFT
     uses_index: bool = False          # drafts from the index's suffix arrays (the service needs --index)
     uses_recycling: bool = False      # reads the target's Token Recycling matrix
@@ -75,10 +89,11 @@ class MethodSpec:
     speculates: bool = True           # False: plain decoding (a tree of the root alone)
     remote_draft: bool = False        # its model draft may run in a DraftWorker actor (`draft_proposer=`)
     configure: Callable[[DecoderSetup], None] | None = None   # cost-sizing options set by build_decoder
-    # with cost sizing, measured speed picks per block between the sizer's trees and one draft node a step
-    # (`CostAwareSizer.use_single_node_arm`): True = on by default (`single_node=off` turns it off), False = off
-    # by default (`single_node=on` turns it on), None = the method has no such arm
-    single_node_arm: bool | None = None
+    options: type[MethodOptions] = MethodOptions   # what a variant (`method:key=value`) may set, typed
+
+    def defaults(self) -> dict[str, Any]:
+        """Each variant option of this method and its default (`options`)."""
+        return {f.name: f.default for f in fields(self.options)}
 
     def uses_self_draft(self, draft_model: str | None) -> bool:
         """Whether this method, given `--draft-model draft_model`, drafts with the target's exit layer."""
@@ -146,7 +161,7 @@ def _needs_draft(name: str, inputs: ProposerInputs) -> Any:
     return inputs.draft_model
 
 
-def _build_recycling(inputs: ProposerInputs) -> Proposer:
+def _build_recycling(inputs: ProposerInputs) -> ProposerBase:
     if inputs.recycling is None:
         raise ValueError("method 'recycling' needs the target's recycling matrix (build_decoder makes one)")
     return RecyclingProposer(inputs.recycling, **inputs.options)
@@ -157,7 +172,7 @@ def _history(inputs: ProposerInputs) -> Any:
     return None if inputs.history is False else inputs.history
 
 
-def _build_suffix(inputs: ProposerInputs) -> Proposer:
+def _build_suffix(inputs: ProposerInputs) -> ProposerBase:
     history = _history(inputs)
     if history is None:
         raise ValueError("method 'suffix' needs a response history (build_decoder makes an empty one)")
@@ -170,19 +185,19 @@ def _self_draft_target(name: str, inputs: ProposerInputs) -> Any:
     return inputs.target_model
 
 
-def _build_eesd(inputs: ProposerInputs) -> Proposer:
+def _build_eesd(inputs: ProposerInputs) -> ProposerBase:
     from rasd.decoding.proposers.early_exit import make_eesd
 
     return make_eesd(_self_draft_target("eesd", inputs), **inputs.options)
 
 
-def _build_adaeagle(inputs: ProposerInputs) -> Proposer:
+def _build_adaeagle(inputs: ProposerInputs) -> ProposerBase:
     from rasd.decoding.proposers.early_exit import make_adaeagle
 
     return make_adaeagle(_self_draft_target("adaeagle", inputs), draft_model=inputs.draft_model, **inputs.options)
 
 
-def _build_eagle(inputs: ProposerInputs) -> Proposer:
+def _build_eagle(inputs: ProposerInputs) -> ProposerBase:
     """The target's EAGLE head (`eagle=` a file, else the trained or shipped one for `model_name`)."""
     from rasd.decoding.model.eagle_head import shared_head
     from rasd.decoding.proposers.eagle import EagleProposer
@@ -198,19 +213,13 @@ def _build_eagle(inputs: ProposerInputs) -> Proposer:
 # ---------------------------------------------------------------------------------------------- configure
 
 
-# Whether `rasd` without --draft-model drafts with the target's EAGLE head when one exists ("auto") or not
-# ("off": `rasd:head=off`). Auto: with the head shipped then (v4, held-out top-1 0.45), over seven interleaved runs
-# `rasd` with the head ran on average ≈ 3% faster than without it (from -4% to +12%, each within the VM's noise;
-# docs/lab-notes/eagle.md, 2026-11-29), accepting more tokens a step in every one. Output is the same either way.
-RASD_HEAD_DEFAULT = "auto"
-
-
 def rasd_head_by_default(model_name: str) -> bool:
-    """Whether `rasd` without a draft model drafts with `model_name`'s EAGLE head (draft workers load what this
-    says too: `rasd.distributed.draft_worker.worker_spec`)."""
+    """Whether `rasd` without a draft model drafts with `model_name`'s EAGLE head: whenever it has one (`rasd:head=off`
+    turns it off; docs/methods.md says why). Draft workers load what this says too
+    (`rasd.distributed.draft_worker.worker_spec`)."""
     from rasd.decoding.model.eagle_head import head_path
 
-    return RASD_HEAD_DEFAULT == "auto" and head_path(model_name).exists()
+    return head_path(model_name).exists()
 
 
 def _configure_rasd(setup: DecoderSetup) -> None:
@@ -218,7 +227,7 @@ def _configure_rasd(setup: DecoderSetup) -> None:
     from rasd.decoding.sizing.cost import curve_is_flat
 
     options, curve_for = setup.options, setup.curve_for
-    use_head, head_file = options.pop("head", RASD_HEAD_DEFAULT), options.pop("eagle", None)
+    use_head, head_file = options.pop("head", RasdOptions.head), options.pop("eagle", None)
     if head_file is not None and (use_head != "auto" or setup.draft is not None):
         raise ValueError("rasd: an EAGLE head file was given, but this rasd drafts with no head "
                          "(head=off or a --draft-model)")
@@ -231,13 +240,12 @@ def _configure_rasd(setup: DecoderSetup) -> None:
             options["draft_proposer"] = head
     if setup.sizing != "cost":
         return
-    if "recycle_when" not in options:
-        options.update(recycle_when="auto", flat_curve=lambda n: curve_is_flat(curve_for(n)))
+    options.setdefault("flat_curve", lambda n: curve_is_flat(curve_for(n)))   # recycle every step where it is flat
     if setup.draft is not None and "draft_options" not in options:
         options["draft_options"] = {"min_prob": None, "target_step_s": lambda n: curve_for(n).latency(1)}
 
 
-def _target_head(setup: DecoderSetup, path: str | None = None, **options: Any) -> Proposer | None:
+def _target_head(setup: DecoderSetup, path: str | None = None, **options: Any) -> ProposerBase | None:
     """The EAGLE head at `path` as a draft (missing: an error), else the target's own (trained here or
     shipped), or None when it has none."""
     from rasd.decoding.model.eagle_head import head_path, shared_head
@@ -299,30 +307,31 @@ _SPECS = (
     MethodSpec("ar", "plain autoregressive decoding in this engine (the baseline)",
                lambda i: NoDraftProposer(), speculates=False),
     MethodSpec("pld", "prompt lookup: n-gram matches in the prompt and output",
-               lambda i: PromptLookupProposer(**i.options)),
+               lambda i: PromptLookupProposer(**i.options), options=PldOptions),
     MethodSpec("draft", "a small draft model's tree",
                lambda i: DraftModelProposer(_needs_draft("draft", i), **i.options),
-               draft=REQUIRED_DRAFT, gate_block=8),
+               draft=REQUIRED_DRAFT, gate_block=8, options=DraftOptions),
     MethodSpec("optree", "OPT-Tree: the draft tree maximising expected acceptance under a node budget",
                lambda i: DraftModelProposer(_needs_draft("optree", i), shape="optree", **i.options),
-               draft=SELF_BY_DEFAULT, gate_block=8, configure=_configure_optree),
+               draft=SELF_BY_DEFAULT, gate_block=8, configure=_configure_optree, options=OptreeOptions),
     MethodSpec("retrieval", "REST: continuations from the index's suffix arrays and the context",
-               lambda i: RetrievalProposer(i.datastores, **i.options), uses_index=True),
+               lambda i: RetrievalProposer(i.datastores, **i.options), uses_index=True, options=RetrievalOptions),
     MethodSpec("recycling", "Token Recycling: a tree grown from the target's own earlier top-k (adjacency matrix)",
-               _build_recycling, uses_recycling=True),
+               _build_recycling, uses_recycling=True, options=RecyclingOptions),
     MethodSpec("rasd", "RASD: retrieval tree pruned by the draft, fused with it and recycled tokens",
                lambda i: RasdProposer(i.datastores, draft_model=i.draft_model, recycling=i.recycling,
                                       history=_history(i), **i.options),
                draft=OPTIONAL_DRAFT, uses_index=True, uses_recycling=True, uses_history=True, gate_block=4,
-               configure=_configure_rasd, remote_draft=True, single_node_arm=False),
-    MethodSpec("suffix", "SuffixDecoding: drafts from earlier responses", _build_suffix, uses_history=True),
+               configure=_configure_rasd, remote_draft=True, options=RasdOptions),
+    MethodSpec("suffix", "SuffixDecoding: drafts from earlier responses", _build_suffix, uses_history=True,
+               options=SuffixOptions),
     MethodSpec("eagle", "EAGLE-2: dynamic draft trees from the target's trained feature-level head",
-               _build_eagle, draft=HEAD, gate_block=8, configure=_configure_head, single_node_arm=True),
+               _build_eagle, draft=HEAD, gate_block=8, configure=_configure_head, options=EagleOptions),
     MethodSpec("eesd", "EESD: the target's first layers + a trained exit layer, Thompson-sampled length",
-               _build_eesd, draft=SELF_DRAFT, gate_block=8, configure=_configure_self_draft),
+               _build_eesd, draft=SELF_DRAFT, gate_block=8, configure=_configure_self_draft, options=EesdOptions),
     MethodSpec("adaeagle", "AdaEAGLE: a trained predictor of the draft length (LDLP) over the EAGLE head",
                _build_adaeagle, draft=HEAD_BY_DEFAULT, gate_block=8, needs_ldlp=True,
-               configure=_configure_adaeagle),
+               configure=_configure_adaeagle, options=AdaeagleOptions),
 )
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _SPECS}
 
@@ -335,8 +344,15 @@ def method_spec(name: str) -> MethodSpec:
     return spec
 
 
+def method_variant(name: str) -> tuple[str, dict[str, Any]]:
+    """`rasd:history=off` -> ("rasd", {"history": False}): a method with options changed, so that it runs beside
+    the plain one in the same benchmark; each key and value checked against the method's `options` class
+    (ValueError, one line, on an unknown method, key or a bad value)."""
+    return parse_variant(name, lambda method: method_spec(method).options)
+
+
 def make_proposer(method: str, draft_model: Any = None, datastores: list[Any] | None = None,
-                  recycling: Any = None, target_model: Any = None, history: Any = None, **options: Any) -> Proposer:
+                  recycling: Any = None, target_model: Any = None, history: Any = None, **options: Any) -> ProposerBase:
     """Build the proposer for a method name (see `ProposerInputs` for the arguments); a clear ValueError
     for unknown names or a missing draft model / recycling matrix / target / response history."""
     inputs = ProposerInputs(draft_model, datastores, recycling, target_model, options, history)

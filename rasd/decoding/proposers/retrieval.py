@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rasd.decoding.drafting.fusion import merge_trees
+from rasd.decoding.proposers.base import ProposerBase
 from rasd.decoding.proposers.pld import PromptLookupProposer, counted_trie
 from rasd.decoding.step.sampling import SamplingParams
 from rasd.decoding.step.tree import DraftTree
@@ -53,7 +54,7 @@ def match_class(n: int) -> int:
     return n if n < 4 else 1 << (n.bit_length() - 1)
 
 
-class RetrievalProposer:
+class RetrievalProposer(ProposerBase):
     """Datastore + scoped documents + prompt lookup, merged into one counted tree."""
 
     name = "retrieval"

@@ -18,6 +18,7 @@ import torch
 
 from rasd.decoding.drafting.fusion import merge_trees
 from rasd.decoding.drafting.history import HistoryMatch, ResponseHistory
+from rasd.decoding.proposers.base import ProposerBase
 from rasd.decoding.proposers.pld import PromptLookupProposer, count_trie
 from rasd.decoding.proposers.retrieval import match_class
 from rasd.decoding.step.sampling import SamplingParams
@@ -40,7 +41,7 @@ def weighted_tree(root_token: int, match: HistoryMatch, source: str, min_prob: f
     return tree.subtree(likely).top_nodes(budget)
 
 
-class SuffixProposer:
+class SuffixProposer(ProposerBase):
     """Drafts from the response history (and, by default, the request's own text), SuffixDecoding's rules."""
 
     name = "suffix"

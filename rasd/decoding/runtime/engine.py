@@ -19,7 +19,7 @@ from rasd.decoding.model import fast_forward
 from rasd.decoding.model.features import row_features, shared_tap
 from rasd.decoding.model.kernels import fast_kernels, install, prefill_products
 from rasd.decoding.model.static_step import StaticRows, StepConfig, shared_rows
-from rasd.decoding.proposers import Proposer, RecyclingMatrix
+from rasd.decoding.proposers import ProposerBase, RecyclingMatrix
 from rasd.decoding.proposers.registry import METHODS, DecoderSetup, make_proposer, method_spec
 from rasd.decoding.runtime.stats import DecodeStats
 from rasd.decoding.sizing.cost import context_bucket, load_or_measure
@@ -110,23 +110,22 @@ class _StopChecker:
 class SpeculativeDecoder:
     """Lossless speculative decoding of one request at a time with any proposer."""
 
-    def __init__(self, model: torch.nn.Module, proposer: Proposer, *, tokenizer: Any = None,
+    def __init__(self, model: torch.nn.Module, proposer: ProposerBase, *, tokenizer: Any = None,
                  sizer: Sizer | None = None, max_context: int | None = None,
                  method: str | None = None, fast: bool = True, step: StepConfig | None = None):
         """`step`: how verification forwards run (default: the static, graph-captured path on CUDA)."""
         self.model = install(model) if fast else model
         self.fast = fast
-        draft_model = getattr(proposer, "model", None)
-        if fast and isinstance(draft_model, torch.nn.Module):
-            install(draft_model)
+        if fast and isinstance(proposer.model, torch.nn.Module):
+            install(proposer.model)
         self.proposer = proposer
-        if getattr(proposer, "wants_hidden", False):
+        if proposer.wants_hidden:
             # the target's forwards hand the proposer its features (`decoding.features`), with the layers it taps
-            shared_tap(model, tuple(getattr(proposer, "feature_layers", ())))
+            shared_tap(model, tuple(proposer.feature_layers))
         self.tokenizer = tokenizer
         self.sizer = sizer or FixedSizer()
         self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 2048))
-        self.method = method or getattr(proposer, "name", type(proposer).__name__)
+        self.method = method or proposer.name
         self.device = next(model.parameters()).device
         self.step = step or StepConfig.for_device(self.device)
 
@@ -264,7 +263,7 @@ class GenerationStream:
     def feed_features(self, start: int, hidden: torch.Tensor | None) -> None:
         """Hand the target's features [n, H] of positions start.. to a proposer that drafts from them (EAGLE)."""
         proposer = self.decoder.proposer
-        if hidden is not None and getattr(proposer, "wants_hidden", False):
+        if hidden is not None and proposer.wants_hidden:
             proposer.observe_hidden(start, hidden)
 
     def start(self) -> None:
@@ -368,7 +367,7 @@ class GenerationStream:
         """A request that ended normally (EOS, stop, length) joins its proposer's response history, if it has
         one: the next similar question drafts from this answer (SuffixDecoding). Abandoned requests never get
         here (`close` ends the loop before `finish`)."""
-        history = getattr(self.decoder.proposer, "history", None)
+        history = self.decoder.proposer.history
         if isinstance(history, ResponseHistory) and self.reason is not None and self.generated:
             history.add(self.prompt_ids[-history.prompt_tail:] if history.prompt_tail else [], self.generated)
 
@@ -413,9 +412,9 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
         if spec.gate_block is None:
             raise ValueError(f"method {method!r} runs no draft model: it has no draft gate to turn on")
         proposer_options["gate"] = DraftGate(block=spec.gate_block)
-    single_node = proposer_options.pop("single_node", bool(spec.single_node_arm))
-    if single_node is True and spec.single_node_arm is None:
-        armed = ", ".join(f"`{m}`" for m, other in METHODS.items() if other.single_node_arm is not None)
+    single_node = proposer_options.pop("single_node", spec.defaults().get("single_node", False))
+    if single_node is True and "single_node" not in spec.defaults():
+        armed = ", ".join(f"`{m}`" for m, other in METHODS.items() if "single_node" in other.defaults())
         raise ValueError(f"method {method!r} has no one-node arm to turn on (only {armed} have one)")
     sizer_options: dict[str, Any] = {}
     if sizing == "ldlp":
@@ -427,8 +426,7 @@ def build_decoder(target: Any, method: str, draft: Any = None, datastores: list[
                              **proposer_options)
     sizer: Sizer = (make_sizer(sizing, max_nodes, curve_for=curve_for, **sizer_options) if spec.speculates
                     else FixedSizer(0))
-    if hasattr(proposer, "use_sizer"):   # a model drafter stops growing where the sizer says a layer cannot pay
-        proposer.use_sizer(sizer)
+    proposer.use_sizer(sizer)   # a model drafter stops growing where the sizer says a layer cannot pay
     if single_node and isinstance(sizer, CostAwareSizer):
         sizer.use_single_node_arm()
     return SpeculativeDecoder(target.model, proposer, tokenizer=target.tokenizer, sizer=sizer,
