@@ -23,38 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from rasd.decoding.model.features import layer_keepers
-from rasd.decoding.model.kernels import GATE_UP, QKV, fast_enabled, projections
+from rasd.decoding.model.kernels import GATE_UP, QKV, projections
+from rasd.decoding.model.target import TargetModel
 from rasd.decoding.step.cache import TreeCache, cache_kwargs
-
-# Architectures whose decoder layer is exactly: pre-norm attention (q/k/v/o Linear, rotary, GQA) + pre-norm
-# gated SiLU MLP, RMSNorm in float32 — what `_layer` below computes.
-_SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM"}
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether `forward` may bypass HF for this model (else it calls the model itself)."""
-    cached = getattr(model, "_rasd_lean", None)
-    if cached is None:
-        cached = _check(model)
-        model._rasd_lean = cached
-    return cached
-
-
-def _check(model: torch.nn.Module) -> bool:
-    """Llama/Qwen2 with sdpa attention, SiLU MLP, no sliding window, no tensor-parallel split."""
-    config = getattr(model, "config", None)
-    if config is None or type(model).__name__ not in _SUPPORTED:
-        return False
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if inner is None or layers is None or not hasattr(inner, "rotary_emb"):
-        return False
-    return (getattr(config, "_attn_implementation", None) == "sdpa"
-            and getattr(config, "hidden_act", "silu") == "silu"
-            and getattr(config, "pretraining_tp", 1) == 1
-            and not getattr(config, "use_sliding_window", False)
-            and all(hasattr(layer.self_attn, "q_proj") and not hasattr(layer.self_attn, "q_norm")
-                    for layer in layers))
+    """Whether `forward` may bypass HF for this model (else it calls the model itself): `TargetModel.lean`."""
+    return TargetModel.of(model).lean
 
 
 def forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -63,7 +39,7 @@ def forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
 
     mask: additive [1, 1, T, past + T], or None for plain causal attention over the cache.
     """
-    if not (fast_enabled() and input_ids.device.type == "cpu" and supports(model)):
+    if not TargetModel.of(model).runs_lean(input_ids.device):
         return _hf_forward(model, cache, input_ids, position_ids, mask, last_only)
     # normed at every position (cheap) before the cut, so a feature reader (`decoding.features`) sees them all
     normed = model.model.norm(_decode(model.model, cache, input_ids, position_ids, mask))

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from rasd.decoding.model import fast_forward
 from rasd.decoding.model.features import layer_keepers, norm_tap
 from rasd.decoding.model.kernels import QKV, projections
+from rasd.decoding.model.target import TargetModel
 from rasd.decoding.step.cache import TreeCache, drop_rows
 from rasd.decoding.step.sampling import SamplingParams
 from rasd.decoding.step.tree import DraftTree
@@ -66,7 +67,7 @@ class StepConfig:
 
     def applies(self, model: torch.nn.Module) -> bool:
         """The static path runs the lean layer code, so only on the architectures that code accepts."""
-        return self.static and fast_forward.supports(model)
+        return TargetModel.of(model).runs_static(self.static)
 
 
 def bucket(n: int) -> int:

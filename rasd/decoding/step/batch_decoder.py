@@ -29,6 +29,7 @@ from rasd.decoding.model import fast_forward
 from rasd.decoding.model.features import row_features
 from rasd.decoding.model.kernels import fast_kernels, prefill_products
 from rasd.decoding.model.static_step import StaticRows, StepConfig
+from rasd.decoding.model.target import TargetModel
 from rasd.decoding.runtime.engine import GenerationStream
 from rasd.decoding.runtime.prefix_cache import PrefixCache
 from rasd.decoding.sizing.batch_width import BatchSizer
@@ -209,7 +210,8 @@ class BatchDecoder:
         self.fast = fast
         self.device = next(model.parameters()).device
         self.step_config = step or StepConfig.for_device(self.device)
-        self.static = self.step_config.applies(model)
+        self.target = TargetModel.of(model)
+        self.static = self.target.runs_static(self.step_config.static)
         # Rows are padded to the largest tree, so one big tree makes every row pay for it: with several
         # requests one width is chosen for the whole step (`sizing.batch`), never more than this many tree
         # tokens in all; the single-request sizer alone decides when the batch holds one request.
@@ -243,8 +245,7 @@ class BatchDecoder:
             raise ValueError("a batch shares one target model: the stream was built for another")
         single = TreeCache.for_model(self.model)
         cached = self.prefix_cache.fill(single, stream.prompt_ids) if self.prefix_cache is not None else 0
-        if self.streams and self.chunk_tokens > 0 and self.fast and self.device.type == "cpu" \
-                and not self.static and fast_forward.supports(self.model):
+        if self.streams and self.chunk_tokens > 0 and self.target.chunks_prefill(self.fast, self.device, self.static):
             stream.start()
             stream.stats.cached_prompt_tokens = cached
             self.prefilling.append(PrefillJob(stream, single, done=cached))
