@@ -39,6 +39,7 @@ from rasd.decoding.model.features import layer_keepers, norm_tap
 from rasd.decoding.model.kernels import QKV, projections
 from rasd.decoding.model.target import TargetModel
 from rasd.decoding.step.cache import TreeCache, drop_rows
+from rasd.decoding.step.row_store import SlotStore
 from rasd.decoding.step.sampling import SamplingParams
 from rasd.decoding.step.tree import DraftTree
 from rasd.decoding.step.verify import Process, Verdict, accept
@@ -87,8 +88,8 @@ class _Inputs:
     keys: int               # Kb
 
 
-class StaticRows:
-    """The static KV store of up to `slots` rows and the (captured) verification step over it."""
+class StaticRows(SlotStore):
+    """The static KV store of up to `slots` rows and the (captured) verification step over it (`SlotStore`)."""
 
     def __init__(self, model: torch.nn.Module, slots: int = 1, graphs: bool = False,
                  capacity: int = MIN_KEYS, max_graphs: int = MAX_GRAPHS):

@@ -35,6 +35,7 @@ from rasd.decoding.runtime.prefix_cache import PrefixCache
 from rasd.decoding.sizing.batch_width import BatchSizer
 from rasd.decoding.sizing.cost import CostCurve
 from rasd.decoding.step.cache import MIN_CAPACITY, GrowableLayer, TreeCache, drop_rows
+from rasd.decoding.step.row_store import SlotStore
 from rasd.decoding.step.tree import DraftTree
 from rasd.decoding.step.verify import accept, batch_inputs
 
@@ -96,8 +97,8 @@ class SlotLayer(GrowableLayer):
         self._vstore[dst, :, :length] = self._vstore[src, :, :length]
 
 
-class BatchCache(TreeCache):
-    """A `TreeCache` with B rows of different lengths; rows join, leave and compact independently.
+class BatchCache(TreeCache, SlotStore):
+    """A `TreeCache` with B rows of different lengths; rows join, leave and compact independently (`SlotStore`).
 
     Joining and leaving copy one row, never the whole batch: the old layout rebuilt every layer's buffer
     for each join and leave (≈ 0.25 s per join with 8 rows of 880 tokens, 10% of a load test's wall time).
