@@ -1,18 +1,18 @@
 """A lean forward for Llama-family causal LMs: HF's own operations, without HF's per-module call overhead.
 
-Why: a decoding step of a small model on a CPU is short (SmolLM2-135M: ≈ 64 ms at 1k context, 2 threads),
-and a good part of what is not matrix products is Python: `nn.Module.__call__` hook checks on ~450 modules,
-keyword-argument decorators, output dataclasses, mask building and cache dispatch. A draft forward is
-shorter still (EESD's 5 layers: ≈ 22 ms, of which the linear layers are ≈ 9 ms), so there the overhead is
-most of the cost. This module runs the same tensors through the same operations in the same order —
-embedding, RMSNorm in float32, rotary from the model's own `rotary_emb`, q/k/v/o and MLP through each
-Linear's (possibly `kernels`-patched) `forward`, `scaled_dot_product_attention` with grouped kv heads, the
-final norm and the LM head as modules (so forward hooks on them, such as AdaEAGLE's tap, still fire) — and
-writes keys/values straight into the `TreeCache` layers. Logits match HF's forward bit for bit on the
-architectures it accepts (tests/test_lean.py); anything else goes through HF.
+Why: a decoding step of a small model on a CPU is short, and a good part of what is not matrix products is
+Python: `nn.Module.__call__` hook checks on every module, keyword-argument decorators, output dataclasses,
+mask building and cache dispatch. A draft forward is shorter still, so there the overhead is most of the
+cost (measurements: docs/lab-notes/decoding-speed.md, "Lean forward"). This module runs the same tensors
+through the same operations in the same order — embedding, RMSNorm in float32, rotary from the model's own
+`rotary_emb`, q/k/v/o and MLP through each Linear's (possibly `kernels`-patched) `forward`,
+`scaled_dot_product_attention` with grouped kv heads, the final norm and the LM head as modules (so forward
+hooks on them, such as AdaEAGLE's tap, still fire) — and writes keys/values straight into the `TreeCache`
+layers. Logits match HF's forward bit for bit on the
+architectures it accepts (tests/decoding/test_fast_forward.py); anything else goes through HF.
 
-Used only inside `kernels.fast_kernels()` (the engine's fast path); outside it, and for unsupported
-models, `forward` calls the HF model.
+Used only inside `kernels.fast_kernels()` (the engine's fast path); outside it, and for models whose layers it
+does not run (`target.TargetModel.lean`), `forward` calls the HF model.
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Ten
                   chunk_last: bool) -> torch.Tensor:
     """A batched tree step [B, W] and a chunk of one prompt's prefill [1, C] through the layers together.
 
-    Why: at B·W ≈ 32 tokens a step's matrix products run far below the CPU's peak (they stream every weight
-    for few rows), while a prefill alone is at peak. Stacked, every Linear multiplies B·W + C rows at once,
+    Why: a batched step's matrix products run far below the CPU's peak (they stream every weight for few
+    rows), while a prefill alone is at peak. Stacked, every Linear multiplies B·W + C rows at once,
     so the prefill rides along on the weights the step reads anyway (vLLM's chunked prefill, on a CPU).
     Attention stays separate: the rows attend to the batch cache with `mask`, the chunk causally to its own
     cache. Returns logits [B·W (+ 1), vocab]: the rows' nodes, then the chunk's last position if `chunk_last`.

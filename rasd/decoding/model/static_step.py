@@ -1,7 +1,7 @@
 """Static-shape tree verification: a preallocated KV store, bucketed shapes, CUDA-graph replay on a GPU.
 
-Why: on a GPU a small model's verification forward is launch-bound. SmolLM2-135M's eager HF forward took
-≈ 27 ms on an H200 whether the tree had 1 or 64 tokens, while reading its weights takes ≈ 0.1 ms there. A
+Why: on a GPU a small model's verification forward is launch-bound: its time hardly depends on the tree's
+size and is far above what reading its weights takes (docs/lab-notes/decoding-speed.md, "Static step"). A
 CUDA graph replays the whole step's kernels with one launch, but only for fixed shapes and fixed memory.
 So every input of a step lives in a static buffer, shapes are padded to buckets, and keys/values go into
 a store that never moves while graphs point into it.

@@ -101,7 +101,7 @@ class BatchCache(TreeCache, SlotStore):
     """A `TreeCache` with B rows of different lengths; rows join, leave and compact independently (`SlotStore`).
 
     Joining and leaving copy one row, never the whole batch: the old layout rebuilt every layer's buffer
-    for each join and leave (≈ 0.25 s per join with 8 rows of 880 tokens, 10% of a load test's wall time).
+    for each join and leave, a tenth of a load test's wall time (docs/lab-notes/decoding-speed.md, "KV stores").
     Leaving moves the last row into the freed slot, so rows change order: `remove_rows` returns the order.
     """
 
@@ -195,7 +195,7 @@ class BatchDecoder:
 
     With `chunk_tokens` > 0, a request that joins while others decode is prefilled in chunks, each stacked
     onto a step's forward (`fast_forward.forward_mixed`) instead of stopping every running request for a whole
-    prefill (≈ 1 s for 880 prompt tokens here): the running requests keep streaming and the chunk shares the
+    prefill: the running requests keep streaming and the chunk shares the
     step's weight reads. Its first token comes out of the step that runs its last chunk. Off by default: in
     the 8-concurrent load test it did not raise throughput (the joining requests reach the batch later,
     so steps carry fewer rows) and it lengthens the joining request's time to first token.

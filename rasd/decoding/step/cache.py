@@ -1,9 +1,9 @@
 """A KV cache that grows in place and can keep an arbitrary subset of its newest entries.
 
-HF's `DynamicCache` concatenates the whole cache on every step (`aten::cat` was 14% of a decode step on
-this CPU). `TreeCache` preallocates capacity and doubles it when full, so an update is one in-place copy of
-the new keys/values. After tree verification only the accepted path must stay: `keep()` moves those
-entries down next to the context and truncates the rest (KV compaction).
+HF's `DynamicCache` concatenates the whole cache on every step (a large share of a CPU decode step:
+docs/lab-notes/decoding-speed.md, "KV stores"). `TreeCache` preallocates capacity and doubles it when
+full, so an update is one in-place copy of the new keys/values. After tree verification only the accepted
+path must stay: `keep()` moves those entries down next to the context and truncates the rest (KV compaction).
 """
 
 from __future__ import annotations
