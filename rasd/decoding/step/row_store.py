@@ -11,10 +11,9 @@ crops the whole tree). The stores with several rows also take rows in and out be
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from rasd.decoding.step.cache import TreeCache
+from transformers.cache_utils import DynamicCache
 
 
 @runtime_checkable
@@ -44,8 +43,9 @@ class SlotStore(RowStore, Protocol):
 
     row_lengths: list[int]   # [B]: committed entries of each row
 
-    def add_row(self, single: TreeCache) -> int:
-        """Copy a prefilled one-row cache into the next free row; returns its row index."""
+    def add_row(self, single: DynamicCache) -> int:
+        """Copy a prefilled one-row cache (a `step.cache.TreeCache`) into the next free row; returns its row
+        index."""
         ...
 
     def remove_rows(self, rows: Sequence[int]) -> list[int]:
