@@ -240,6 +240,35 @@ def test_fast_tree_forward_stays_on_the_flash_attention_kernel() -> None:
     assert "aten::_scaled_dot_product_attention_math" not in ops
 
 
+def test_grouped_tree_attention_serves_only_the_models_that_opted_in(monkeypatch) -> None:
+    """HF's attention of an installed model keeps the kv heads grouped in a masked CPU step inside `fast_kernels()`;
+    a model that was never installed keeps HF's stock sdpa there, though the function slot is process-wide."""
+    from rasd.decoding.model.kernels import attention
+    from tests.helpers import fresh_tiny_llama
+
+    stock, stock_calls = attention._STOCK_SDPA, []
+
+    def counting(module, *args, **kwargs):  # noqa: ANN001, ANN202
+        stock_calls.append(module)
+        return stock(module, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "_STOCK_SDPA", counting)
+    models = {"opted in": install(fresh_tiny_llama(0)), "not": fresh_tiny_llama(0)}
+    prompt = random_prompt(12, seed=5)
+    tree = branching_tree(root=prompt[-1])
+    logits, calls = {}, {}
+    for name, model in models.items():
+        cache = prefilled(model, prompt[:-1])
+        ids, pos, mask = tree_inputs(tree, cache.get_seq_length(), torch.float32, "cpu")
+        stock_calls.clear()
+        with torch.inference_mode(), fast_kernels():
+            logits[name] = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                                 **cache_kwargs(model, cache)).logits[0]
+        calls[name] = len(stock_calls)
+    assert calls == {"opted in": 0, "not": len(models["not"].model.layers)}
+    torch.testing.assert_close(logits["opted in"], logits["not"], rtol=1e-5, atol=1e-5)
+
+
 def test_fast_linear_returns_row_major_outputs() -> None:
     layer = install(torch.nn.Sequential(torch.nn.Linear(16, 8)))[0]
     x = torch.randn(1, 5, 16)

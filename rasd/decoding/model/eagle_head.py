@@ -35,6 +35,7 @@ from torch import nn
 
 from rasd import paths
 from rasd.decoding.model import fast_forward, kernels
+from rasd.decoding.model.target import TargetModel
 
 FORMAT = "rasd-eagle-1"
 VOCAB_KEY = "draft_vocab"
@@ -90,7 +91,7 @@ class EagleHead(nn.Module):
         """A new head (weights: `load_head`); its layer's attention and norms start as target layer `init_layer`.
         `taps`: target layers whose outputs it reads beside the final features (EAGLE-3)."""
         super().__init__()
-        if not fast_forward.supports(target):
+        if not TargetModel.of(target).lean:
             raise ValueError(f"an EAGLE head needs a Llama-style decoder layer; {type(target).__name__} has another")
         self.config = HeadConfig.of(target)
         hidden = self.config.hidden_size
