@@ -119,8 +119,11 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
             continue
         if not _patched(module):
             module.forward = types.MethodType(_linear_forward, module)
-        # set even on a module already patched: a head's layer is a deep copy of an installed target layer
-        LINEARS.roles[module] = Role(head=module is head, approximate=approximate)
+        # the head flag is the first model's (a self-draft sharing the target's LM head does not reset it); the
+        # approximate flag is set even on a module already patched: a head's layer is a deep copy of an installed
+        # target layer
+        known = LINEARS.roles.get(module)
+        LINEARS.roles[module] = Role(head=known.head if known is not None else module is head, approximate=approximate)
     route_attention(model)
     _tune(model, head)
     return model
