@@ -186,16 +186,17 @@ def test_a_prompt_after_a_prefix_hit_gets_a_whole_prefills_keys_whatever_form_fe
     the whole prompt's prefill bit for bit, or a request would decode differently with and without the cache.
     The few-row forms are forced to oneDNN's here, so the check does not depend on what this machine tuned."""
     from rasd.decoding.model import kernels
+    from rasd.decoding.model.kernels import choices, linear
     from rasd.decoding.runtime.engine import build_decoder
 
     if not kernels.onednn_available():
         pytest.skip("this torch has no oneDNN linear")
     model = loaded.model
     kernels.install(model)
-    for module in kernels._cpu_linears(model):
-        for rows in kernels._BUCKETS:
-            key = kernels._key(module.weight, rows, module is model.get_output_embeddings(), False)
-            monkeypatch.setitem(kernels._CHOICES, key, kernels.ONEDNN)
+    for module in linear._cpu_linears(model):
+        for rows in kernels.BUCKETS:
+            key = choices.key(module.weight, rows, module is model.get_output_embeddings(), False)
+            monkeypatch.setitem(choices.ACTIVE.choices, key, kernels.ONEDNN)
     prompt = docqa_prompts(loaded, 1)[0]
     decoder = build_decoder(loaded, "ar")
     whole = TreeCache.for_model(model)
@@ -205,7 +206,7 @@ def test_a_prompt_after_a_prefix_hit_gets_a_whole_prefills_keys_whatever_form_fe
     pc.store(prompt, whole)
     after_hit = TreeCache.for_model(model)
     hit = pc.fill(after_hit, prompt)
-    assert 0 < hit < len(prompt) and len(prompt) - hit <= kernels._MAX_TUNED_ROWS
+    assert 0 < hit < len(prompt) and len(prompt) - hit <= kernels.MAX_TUNED_ROWS
     with kernels.fast_kernels(True), torch.inference_mode():
         again = decoder.stream(prompt, 2).begin(after_hit, hit)
     assert again == first

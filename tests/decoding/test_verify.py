@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rasd.decoding.model.kernels import fast_kernels, install
+from rasd.decoding.model.kernels import choices, fast_kernels, install
 from rasd.decoding.step.cache import GrowableLayer, TreeCache, cache_kwargs
 from rasd.decoding.step.sampling import GREEDY
 from rasd.decoding.step.tree import DraftTree
@@ -240,6 +240,35 @@ def test_fast_tree_forward_stays_on_the_flash_attention_kernel() -> None:
     assert "aten::_scaled_dot_product_attention_math" not in ops
 
 
+def test_grouped_tree_attention_serves_only_the_models_that_opted_in(monkeypatch) -> None:
+    """HF's attention of an installed model keeps the kv heads grouped in a masked CPU step inside `fast_kernels()`;
+    a model that was never installed keeps HF's stock sdpa there, though the function slot is process-wide."""
+    from rasd.decoding.model.kernels import attention
+    from tests.helpers import fresh_tiny_llama
+
+    stock, stock_calls = attention._STOCK_SDPA, []
+
+    def counting(module, *args, **kwargs):  # noqa: ANN001, ANN202
+        stock_calls.append(module)
+        return stock(module, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "_STOCK_SDPA", counting)
+    models = {"opted in": install(fresh_tiny_llama(0)), "not": fresh_tiny_llama(0)}
+    prompt = random_prompt(12, seed=5)
+    tree = branching_tree(root=prompt[-1])
+    logits, calls = {}, {}
+    for name, model in models.items():
+        cache = prefilled(model, prompt[:-1])
+        ids, pos, mask = tree_inputs(tree, cache.get_seq_length(), torch.float32, "cpu")
+        stock_calls.clear()
+        with torch.inference_mode(), fast_kernels():
+            logits[name] = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                                 **cache_kwargs(model, cache)).logits[0]
+        calls[name] = len(stock_calls)
+    assert calls == {"opted in": 0, "not": len(models["not"].model.layers)}
+    torch.testing.assert_close(logits["opted in"], logits["not"], rtol=1e-5, atol=1e-5)
+
+
 def test_fast_linear_returns_row_major_outputs() -> None:
     layer = install(torch.nn.Sequential(torch.nn.Linear(16, 8)))[0]
     x = torch.randn(1, 5, 16)
@@ -422,56 +451,53 @@ def test_an_eagle_head_allows_half_products_and_its_target_does_not() -> None:
     exact. The target is installed first, as the engine and the service do: the head's layer is then a deep copy
     of an installed layer, and must still get the flag."""
     from rasd.decoding.model.eagle_head import EagleHead
+    from rasd.decoding.model.kernels.linear import LINEARS
     from tests.helpers import fresh_tiny_llama
 
     target = install(fresh_tiny_llama(0))
     head = install(EagleHead(target))
-    assert all(m._rasd_approximate for m in head.modules() if isinstance(m, torch.nn.Linear))
+    assert all(LINEARS.approximate(m) for m in head.modules() if isinstance(m, torch.nn.Linear))
     install(target)
-    assert not any(getattr(m, "_rasd_approximate", False) for m in target.modules())
+    assert not any(LINEARS.approximate(m) for m in target.modules())
 
 
 def test_measured_forms_are_kept_for_the_machine_and_a_second_process_times_nothing(tmp_path, monkeypatch) -> None:
     """Each process that loads a model used to time every shape again (≈ 9 s); the next one now reads them."""
-    from rasd.decoding.model import kernels
     from tests.helpers import fresh_tiny_llama
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path))
     monkeypatch.setenv("RASD_LINEAR", "auto")
-    for name in ("_CHOICES", "_SAVED", "_LOADED", "_FORCED", "_PROBES"):
-        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
+    monkeypatch.setattr(choices, "ACTIVE", choices.KernelChoices())   # a new process: nothing in memory
     # a machine as busy at both loads: a real probe on a noisy CI host can read the first tuning as busy and
     # rightly time it again (that rule has its own test below), which is not what this test is about
-    monkeypatch.setattr(kernels, "machine_probe", lambda: 0.001)
+    monkeypatch.setattr(choices, "machine_probe", lambda: 0.001)
     install(fresh_tiny_llama(0))
-    measured = dict(kernels._CHOICES)
-    saved = json.loads(kernels._choices_file().read_text())
-    assert measured and len(saved) == len(measured) and kernels._choices_file().parent == tmp_path / "kernels"
+    measured = dict(choices.ACTIVE.choices)
+    saved = json.loads(choices.choices_file().read_text())
+    assert measured and len(saved) == len(measured) and choices.choices_file().parent == tmp_path / "kernels"
 
     def no_timing(*args, **kwargs):
         raise AssertionError("timed again")
 
     # a new process: nothing in memory, the machine's file on disk
-    for name in ("_CHOICES", "_SAVED", "_LOADED"):
-        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
-    monkeypatch.setattr(kernels, "pass_times", no_timing)
-    monkeypatch.setattr(kernels, "_time_forms", no_timing)
+    monkeypatch.setattr(choices, "ACTIVE", choices.KernelChoices())   # a new process: nothing in memory
+    monkeypatch.setattr(choices, "pass_times", no_timing)
+    monkeypatch.setattr(choices, "time_forms", no_timing)
     install(fresh_tiny_llama(0))
-    assert kernels._CHOICES == measured
+    assert choices.ACTIVE.choices == measured
     # a corrupt file is never trusted: measured again and rewritten
-    kernels._choices_file().write_text("{not json")
+    choices.choices_file().write_text("{not json")
     monkeypatch.undo()
     monkeypatch.setenv("RASD_HOME", str(tmp_path))
-    for name in ("_CHOICES", "_SAVED", "_LOADED", "_FORCED"):
-        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
+    monkeypatch.setattr(choices, "ACTIVE", choices.KernelChoices())   # a new process: nothing in memory
     install(fresh_tiny_llama(0))
-    assert len(json.loads(kernels._choices_file().read_text())) == len(measured)
+    assert len(json.loads(choices.choices_file().read_text())) == len(measured)
     # a forced form is not a measurement: never written for the next process
     monkeypatch.setenv("RASD_LINEAR", "stock")
     install(torch.nn.Sequential(torch.nn.Linear(24, 45)))
     monkeypatch.setenv("RASD_LINEAR", "auto")
     install(torch.nn.Sequential(torch.nn.Linear(24, 46)))
-    shapes = {tuple(key[:2]) for key, _, _ in json.loads(kernels._choices_file().read_text())}
+    shapes = {tuple(key[:2]) for key, _, _ in json.loads(choices.choices_file().read_text())}
     assert (46, 24) in shapes and (45, 24) not in shapes
 
 
@@ -479,62 +505,55 @@ def test_forms_measured_on_a_busy_machine_are_measured_again(tmp_path, monkeypat
     """Forms tuned while another process held the cores (a training job) were kept for the machine for ever:
     a 4-token verification stayed 7% dearer than with the forms a quiet machine picks. Each form now carries the
     machine probe of its measurement, and one whose probe ran clearly slower than the probe now is re-timed."""
-    from rasd.decoding.model import kernels
     from tests.helpers import fresh_tiny_llama
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path))
     monkeypatch.setenv("RASD_LINEAR", "auto")
-    for name in ("_CHOICES", "_SAVED", "_LOADED", "_FORCED", "_PROBES"):
-        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
-    monkeypatch.setattr(kernels, "machine_probe", lambda: 0.004)   # tuned while busy: 4 ms
+    monkeypatch.setattr(choices, "ACTIVE", choices.KernelChoices())   # a new process: nothing in memory
+    monkeypatch.setattr(choices, "machine_probe", lambda: 0.004)   # tuned while busy: 4 ms
     install(fresh_tiny_llama(0))
-    rows = json.loads(kernels._choices_file().read_text())
+    rows = json.loads(choices.choices_file().read_text())
     assert rows and all(probe == 0.004 for _, _, probe in rows)
     measured = len(rows)
 
     timed: list[int] = []
-    real_pass_times = kernels.pass_times
+    real_pass_times = choices.pass_times
 
     def counting(*args, **kwargs):
         timed.append(1)
         return real_pass_times(*args, **kwargs)
 
-    for name in ("_CHOICES", "_SAVED", "_LOADED", "_PROBES"):   # a new process on the same machine...
-        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
-    monkeypatch.setattr(kernels, "pass_times", counting)
-    monkeypatch.setattr(kernels, "machine_probe", lambda: 0.0035)   # ... a little quieter: trusted
+    monkeypatch.setattr(choices, "ACTIVE", choices.KernelChoices())   # a new process on the same machine...
+    monkeypatch.setattr(choices, "pass_times", counting)
+    monkeypatch.setattr(choices, "machine_probe", lambda: 0.0035)   # ... a little quieter: trusted
     install(fresh_tiny_llama(0))
-    assert not timed and len(kernels._CHOICES) == measured
+    assert not timed and len(choices.ACTIVE.choices) == measured
 
-    for name in ("_CHOICES", "_SAVED", "_LOADED", "_PROBES"):
-        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
-    monkeypatch.setattr(kernels, "machine_probe", lambda: 0.001)    # ... quiet: everything is timed again
+    monkeypatch.setattr(choices, "ACTIVE", choices.KernelChoices())   # a new process: nothing in memory
+    monkeypatch.setattr(choices, "machine_probe", lambda: 0.001)    # ... quiet: everything is timed again
     install(fresh_tiny_llama(0))
-    rows = json.loads(kernels._choices_file().read_text())
+    rows = json.loads(choices.choices_file().read_text())
     assert timed and len(rows) == measured and all(probe == 0.001 for _, _, probe in rows)
 
 
 def test_a_choices_file_of_an_older_layout_is_not_trusted(tmp_path, monkeypatch) -> None:
     """Rows without the probe (or malformed) are measured again rather than read."""
-    from rasd.decoding.model import kernels
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path))
     monkeypatch.setenv("RASD_LINEAR", "auto")
-    for name in ("_CHOICES", "_SAVED", "_LOADED", "_PROBES"):
-        monkeypatch.setattr(kernels, name, type(getattr(kernels, name))())
-    kernels._choices_file().parent.mkdir(parents=True, exist_ok=True)
-    kernels._choices_file().write_text(json.dumps([[[8, 4, 1, "float32", 2, False, False], "packed"],
+    monkeypatch.setattr(choices, "ACTIVE", choices.KernelChoices())   # a new process: nothing in memory
+    choices.choices_file().parent.mkdir(parents=True, exist_ok=True)
+    choices.choices_file().write_text(json.dumps([[[8, 4, 1, "float32", 2, False, False], "packed"],
                                                    [[8, 4, 2, "float32", 2, False, False], "nonsense", 0.001],
                                                    [[8, 4, 3, "float32", 2, False, False], "stock", 0.001]]))
-    monkeypatch.setattr(kernels, "machine_probe", lambda: 0.001)
-    kernels._load_choices()
-    assert list(kernels._CHOICES.values()) == ["stock"] and list(kernels._CHOICES)[0][2] == 3
+    monkeypatch.setattr(choices, "machine_probe", lambda: 0.001)
+    choices.ACTIVE.load()
+    assert list(choices.ACTIVE.choices.values()) == ["stock"] and list(choices.ACTIVE.choices)[0][2] == 3
 
 
 def test_one_form_for_every_shape_where_a_whole_pass_of_it_beats_the_per_shape_mix(monkeypatch) -> None:
     """A form's speed depends on its neighbours: the per-shape choice is kept only when no uniform pass is 3%
     faster than the mix as a whole."""
-    from rasd.decoding.model import kernels
 
     chosen = {(8, 4): "packed", (4, 8): "stock"}
     forms = {"stock": None, "packed": None}
@@ -544,11 +563,11 @@ def test_one_form_for_every_shape_where_a_whole_pass_of_it_beats_the_per_shape_m
             return {shape: {name: totals[name] / 2 for name in forms} for shape in chosen}
         return pass_times
 
-    monkeypatch.setattr(kernels, "pass_times", fake({"mixed": 24.2, "stock": 28.4, "packed": 22.1}))
-    assert kernels._uniform_if_faster([], {}, forms, chosen) == {(8, 4): "packed", (4, 8): "packed"}
-    monkeypatch.setattr(kernels, "pass_times", fake({"mixed": 22.5, "stock": 28.4, "packed": 22.1}))
-    assert kernels._uniform_if_faster([], {}, forms, chosen) == chosen   # within 3%: the mix stays
-    monkeypatch.setattr(kernels, "pass_times", fake({"mixed": 20.0, "stock": 28.4, "packed": 22.1}))
-    assert kernels._uniform_if_faster([], {}, forms, chosen) == chosen
+    monkeypatch.setattr(choices, "pass_times", fake({"mixed": 24.2, "stock": 28.4, "packed": 22.1}))
+    assert choices.uniform_if_faster([], {}, forms, chosen) == {(8, 4): "packed", (4, 8): "packed"}
+    monkeypatch.setattr(choices, "pass_times", fake({"mixed": 22.5, "stock": 28.4, "packed": 22.1}))
+    assert choices.uniform_if_faster([], {}, forms, chosen) == chosen   # within 3%: the mix stays
+    monkeypatch.setattr(choices, "pass_times", fake({"mixed": 20.0, "stock": 28.4, "packed": 22.1}))
+    assert choices.uniform_if_faster([], {}, forms, chosen) == chosen
     uniform = {(8, 4): "stock", (4, 8): "stock"}
-    assert kernels._uniform_if_faster([], {}, forms, uniform) is uniform   # nothing to compare: no passes
+    assert choices.uniform_if_faster([], {}, forms, uniform) is uniform   # nothing to compare: no passes

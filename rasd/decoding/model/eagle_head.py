@@ -35,6 +35,7 @@ from torch import nn
 
 from rasd import paths
 from rasd.decoding.model import fast_forward, kernels
+from rasd.decoding.model.target import TargetModel
 
 FORMAT = "rasd-eagle-1"
 VOCAB_KEY = "draft_vocab"
@@ -90,7 +91,7 @@ class EagleHead(nn.Module):
         """A new head (weights: `load_head`); its layer's attention and norms start as target layer `init_layer`.
         `taps`: target layers whose outputs it reads beside the final features (EAGLE-3)."""
         super().__init__()
-        if not fast_forward.supports(target):
+        if not TargetModel.of(target).lean:
             raise ValueError(f"an EAGLE head needs a Llama-style decoder layer; {type(target).__name__} has another")
         self.config = HeadConfig.of(target)
         hidden = self.config.hidden_size
@@ -111,10 +112,9 @@ class EagleHead(nn.Module):
     def _pass_through(self) -> None:
         """Start as f̂_{t+1} = f_t: fc copies the feature, the layer's two residual branches add nothing.
 
-        Why: the target's final-norm features have a few very large dimensions (max |x| ≈ 50 in vectors of
-        norm ≈ 50 for SmolLM2). A randomly started head output had norm ≈ 285 and a cross-entropy of 44
-        nats that training took hundreds of steps to undo; started here, it is on the features' scale from
-        step 0 (held-out top-1 0.18 after 40 steps against 0.03 after 60)."""
+        Why: the target's final-norm features have a few very large dimensions. A randomly started head's
+        output was far off their scale and training took hundreds of steps to undo it; started here, it is on
+        the features' scale from step 0 (docs/lab-notes/decoding-speed.md, "EAGLE head")."""
         hidden = self.config.hidden_size
         self.fc.weight.zero_()
         self.fc.weight[:, hidden:] = torch.eye(hidden)
@@ -157,7 +157,7 @@ class EagleHead(nn.Module):
         past = kv.get_seq_length() if kv is not None else 0
         if causal and past >= x.shape[1]:
             # A catch-up of a few tokens after a long past: a mask. Padded like a prefill instead, its queries
-            # ran over past + T rows (a 2-token catch-up at 600 cached cost 14 ms against 5 for one token).
+            # would run over past + T rows (docs/lab-notes/decoding-speed.md, "EAGLE head").
             causal, mask = False, fast_forward._causal_mask(past, x.shape[1], x.dtype, x.device)
         elif causal:
             pad = past   # few cached entries: the causal kernel over the queries padded in front (`_layer`)

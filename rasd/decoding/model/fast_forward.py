@@ -1,18 +1,18 @@
 """A lean forward for Llama-family causal LMs: HF's own operations, without HF's per-module call overhead.
 
-Why: a decoding step of a small model on a CPU is short (SmolLM2-135M: ≈ 64 ms at 1k context, 2 threads),
-and a good part of what is not matrix products is Python: `nn.Module.__call__` hook checks on ~450 modules,
-keyword-argument decorators, output dataclasses, mask building and cache dispatch. A draft forward is
-shorter still (EESD's 5 layers: ≈ 22 ms, of which the linear layers are ≈ 9 ms), so there the overhead is
-most of the cost. This module runs the same tensors through the same operations in the same order —
-embedding, RMSNorm in float32, rotary from the model's own `rotary_emb`, q/k/v/o and MLP through each
-Linear's (possibly `kernels`-patched) `forward`, `scaled_dot_product_attention` with grouped kv heads, the
-final norm and the LM head as modules (so forward hooks on them, such as AdaEAGLE's tap, still fire) — and
-writes keys/values straight into the `TreeCache` layers. Logits match HF's forward bit for bit on the
-architectures it accepts (tests/test_lean.py); anything else goes through HF.
+Why: a decoding step of a small model on a CPU is short, and a good part of what is not matrix products is
+Python: `nn.Module.__call__` hook checks on every module, keyword-argument decorators, output dataclasses,
+mask building and cache dispatch. A draft forward is shorter still, so there the overhead is most of the
+cost (measurements: docs/lab-notes/decoding-speed.md, "Lean forward"). This module runs the same tensors
+through the same operations in the same order — embedding, RMSNorm in float32, rotary from the model's own
+`rotary_emb`, q/k/v/o and MLP through each Linear's (possibly `kernels`-patched) `forward`,
+`scaled_dot_product_attention` with grouped kv heads, the final norm and the LM head as modules (so forward
+hooks on them, such as AdaEAGLE's tap, still fire) — and writes keys/values straight into the `TreeCache`
+layers. Logits match HF's forward bit for bit on the
+architectures it accepts (tests/decoding/test_fast_forward.py); anything else goes through HF.
 
-Used only inside `kernels.fast_kernels()` (the engine's fast path); outside it, and for unsupported
-models, `forward` calls the HF model.
+Used only inside `kernels.fast_kernels()` (the engine's fast path); outside it, and for models whose layers it
+does not run (`target.TargetModel.lean`), `forward` calls the HF model.
 """
 
 from __future__ import annotations
@@ -23,38 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from rasd.decoding.model.features import layer_keepers
-from rasd.decoding.model.kernels import GATE_UP, QKV, fast_enabled, projections
+from rasd.decoding.model.kernels import GATE_UP, QKV, projections
+from rasd.decoding.model.target import TargetModel
 from rasd.decoding.step.cache import TreeCache, cache_kwargs
-
-# Architectures whose decoder layer is exactly: pre-norm attention (q/k/v/o Linear, rotary, GQA) + pre-norm
-# gated SiLU MLP, RMSNorm in float32 — what `_layer` below computes.
-_SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM"}
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether `forward` may bypass HF for this model (else it calls the model itself)."""
-    cached = getattr(model, "_rasd_lean", None)
-    if cached is None:
-        cached = _check(model)
-        model._rasd_lean = cached
-    return cached
-
-
-def _check(model: torch.nn.Module) -> bool:
-    """Llama/Qwen2 with sdpa attention, SiLU MLP, no sliding window, no tensor-parallel split."""
-    config = getattr(model, "config", None)
-    if config is None or type(model).__name__ not in _SUPPORTED:
-        return False
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if inner is None or layers is None or not hasattr(inner, "rotary_emb"):
-        return False
-    return (getattr(config, "_attn_implementation", None) == "sdpa"
-            and getattr(config, "hidden_act", "silu") == "silu"
-            and getattr(config, "pretraining_tp", 1) == 1
-            and not getattr(config, "use_sliding_window", False)
-            and all(hasattr(layer.self_attn, "q_proj") and not hasattr(layer.self_attn, "q_norm")
-                    for layer in layers))
+    """Whether `forward` may bypass HF for this model (else it calls the model itself): `TargetModel.lean`."""
+    return TargetModel.of(model).lean
 
 
 def forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -63,7 +39,7 @@ def forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
 
     mask: additive [1, 1, T, past + T], or None for plain causal attention over the cache.
     """
-    if not (fast_enabled() and input_ids.device.type == "cpu" and supports(model)):
+    if not TargetModel.of(model).runs_lean(input_ids.device):
         return _hf_forward(model, cache, input_ids, position_ids, mask, last_only)
     # normed at every position (cheap) before the cut, so a feature reader (`decoding.features`) sees them all
     normed = model.model.norm(_decode(model.model, cache, input_ids, position_ids, mask))
@@ -166,8 +142,8 @@ def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Ten
                   chunk_last: bool) -> torch.Tensor:
     """A batched tree step [B, W] and a chunk of one prompt's prefill [1, C] through the layers together.
 
-    Why: at B·W ≈ 32 tokens a step's matrix products run far below the CPU's peak (they stream every weight
-    for few rows), while a prefill alone is at peak. Stacked, every Linear multiplies B·W + C rows at once,
+    Why: a batched step's matrix products run far below the CPU's peak (they stream every weight for few
+    rows), while a prefill alone is at peak. Stacked, every Linear multiplies B·W + C rows at once,
     so the prefill rides along on the weights the step reads anyway (vLLM's chunked prefill, on a CPU).
     Attention stays separate: the rows attend to the batch cache with `mask`, the chunk causally to its own
     cache. Returns logits [B·W (+ 1), vocab]: the rows' nodes, then the chunk's last position if `chunk_last`.

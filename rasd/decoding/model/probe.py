@@ -17,7 +17,7 @@ STALE_PROBE_RATIO = 1.25
 
 
 def machine_probe(rounds: int = 15) -> float:
-    """Fastest of a few runs of a fixed matrix product (≈ 1 ms), in seconds."""
+    """Fastest of a few runs of a fixed small matrix product, in seconds."""
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 576, generator=gen), torch.randn(576, 1536, generator=gen)
     best = float("inf")

@@ -1,7 +1,7 @@
 """Static-shape tree verification: a preallocated KV store, bucketed shapes, CUDA-graph replay on a GPU.
 
-Why: on a GPU a small model's verification forward is launch-bound. SmolLM2-135M's eager HF forward took
-≈ 27 ms on an H200 whether the tree had 1 or 64 tokens, while reading its weights takes ≈ 0.1 ms there. A
+Why: on a GPU a small model's verification forward is launch-bound: its time hardly depends on the tree's
+size and is far above what reading its weights takes (docs/lab-notes/decoding-speed.md, "Static step"). A
 CUDA graph replays the whole step's kernels with one launch, but only for fixed shapes and fixed memory.
 So every input of a step lives in a static buffer, shapes are padded to buckets, and keys/values go into
 a store that never moves while graphs point into it.
@@ -37,7 +37,9 @@ import torch.nn.functional as F
 from rasd.decoding.model import fast_forward
 from rasd.decoding.model.features import layer_keepers, norm_tap
 from rasd.decoding.model.kernels import QKV, projections
+from rasd.decoding.model.target import TargetModel
 from rasd.decoding.step.cache import TreeCache, drop_rows
+from rasd.decoding.step.row_store import SlotStore
 from rasd.decoding.step.sampling import SamplingParams
 from rasd.decoding.step.tree import DraftTree
 from rasd.decoding.step.verify import Process, Verdict, accept
@@ -66,7 +68,7 @@ class StepConfig:
 
     def applies(self, model: torch.nn.Module) -> bool:
         """The static path runs the lean layer code, so only on the architectures that code accepts."""
-        return self.static and fast_forward.supports(model)
+        return TargetModel.of(model).runs_static(self.static)
 
 
 def bucket(n: int) -> int:
@@ -86,8 +88,8 @@ class _Inputs:
     keys: int               # Kb
 
 
-class StaticRows:
-    """The static KV store of up to `slots` rows and the (captured) verification step over it."""
+class StaticRows(SlotStore):
+    """The static KV store of up to `slots` rows and the (captured) verification step over it (`SlotStore`)."""
 
     def __init__(self, model: torch.nn.Module, slots: int = 1, graphs: bool = False,
                  capacity: int = MIN_KEYS, max_graphs: int = MAX_GRAPHS):

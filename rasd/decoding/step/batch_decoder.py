@@ -29,11 +29,13 @@ from rasd.decoding.model import fast_forward
 from rasd.decoding.model.features import row_features
 from rasd.decoding.model.kernels import fast_kernels, prefill_products
 from rasd.decoding.model.static_step import StaticRows, StepConfig
+from rasd.decoding.model.target import TargetModel
 from rasd.decoding.runtime.engine import GenerationStream
 from rasd.decoding.runtime.prefix_cache import PrefixCache
 from rasd.decoding.sizing.batch_width import BatchSizer
 from rasd.decoding.sizing.cost import CostCurve
 from rasd.decoding.step.cache import MIN_CAPACITY, GrowableLayer, TreeCache, drop_rows
+from rasd.decoding.step.row_store import SlotStore
 from rasd.decoding.step.tree import DraftTree
 from rasd.decoding.step.verify import accept, batch_inputs
 
@@ -95,11 +97,11 @@ class SlotLayer(GrowableLayer):
         self._vstore[dst, :, :length] = self._vstore[src, :, :length]
 
 
-class BatchCache(TreeCache):
-    """A `TreeCache` with B rows of different lengths; rows join, leave and compact independently.
+class BatchCache(TreeCache, SlotStore):
+    """A `TreeCache` with B rows of different lengths; rows join, leave and compact independently (`SlotStore`).
 
     Joining and leaving copy one row, never the whole batch: the old layout rebuilt every layer's buffer
-    for each join and leave (≈ 0.25 s per join with 8 rows of 880 tokens, 10% of a load test's wall time).
+    for each join and leave, a tenth of a load test's wall time (docs/lab-notes/decoding-speed.md, "KV stores").
     Leaving moves the last row into the freed slot, so rows change order: `remove_rows` returns the order.
     """
 
@@ -193,7 +195,7 @@ class BatchDecoder:
 
     With `chunk_tokens` > 0, a request that joins while others decode is prefilled in chunks, each stacked
     onto a step's forward (`fast_forward.forward_mixed`) instead of stopping every running request for a whole
-    prefill (≈ 1 s for 880 prompt tokens here): the running requests keep streaming and the chunk shares the
+    prefill: the running requests keep streaming and the chunk shares the
     step's weight reads. Its first token comes out of the step that runs its last chunk. Off by default: in
     the 8-concurrent load test it did not raise throughput (the joining requests reach the batch later,
     so steps carry fewer rows) and it lengthens the joining request's time to first token.
@@ -209,7 +211,8 @@ class BatchDecoder:
         self.fast = fast
         self.device = next(model.parameters()).device
         self.step_config = step or StepConfig.for_device(self.device)
-        self.static = self.step_config.applies(model)
+        self.target = TargetModel.of(model)
+        self.static = self.target.runs_static(self.step_config.static)
         # Rows are padded to the largest tree, so one big tree makes every row pay for it: with several
         # requests one width is chosen for the whole step (`sizing.batch`), never more than this many tree
         # tokens in all; the single-request sizer alone decides when the batch holds one request.
@@ -243,8 +246,7 @@ class BatchDecoder:
             raise ValueError("a batch shares one target model: the stream was built for another")
         single = TreeCache.for_model(self.model)
         cached = self.prefix_cache.fill(single, stream.prompt_ids) if self.prefix_cache is not None else 0
-        if self.streams and self.chunk_tokens > 0 and self.fast and self.device.type == "cpu" \
-                and not self.static and fast_forward.supports(self.model):
+        if self.streams and self.chunk_tokens > 0 and self.target.chunks_prefill(self.fast, self.device, self.static):
             stream.start()
             stream.stats.cached_prompt_tokens = cached
             self.prefilling.append(PrefillJob(stream, single, done=cached))

@@ -1,9 +1,9 @@
 """A KV cache that grows in place and can keep an arbitrary subset of its newest entries.
 
-HF's `DynamicCache` concatenates the whole cache on every step (`aten::cat` was 14% of a decode step on
-this CPU). `TreeCache` preallocates capacity and doubles it when full, so an update is one in-place copy of
-the new keys/values. After tree verification only the accepted path must stay: `keep()` moves those
-entries down next to the context and truncates the rest (KV compaction).
+HF's `DynamicCache` concatenates the whole cache on every step (a large share of a CPU decode step:
+docs/lab-notes/decoding-speed.md, "KV stores"). `TreeCache` preallocates capacity and doubles it when
+full, so an update is one in-place copy of the new keys/values. After tree verification only the accepted
+path must stay: `keep()` moves those entries down next to the context and truncates the rest (KV compaction).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from rasd.decoding.step.row_store import RowStore
 
 MIN_CAPACITY = 256
 
@@ -81,8 +83,8 @@ class GrowableLayer(DynamicLayer):
         self._refresh_views()
 
 
-class TreeCache(DynamicCache):
-    """DynamicCache whose layers are `GrowableLayer`s; adds `keep()` for KV compaction."""
+class TreeCache(DynamicCache, RowStore):
+    """DynamicCache whose layers are `GrowableLayer`s; adds `keep()` for KV compaction. A `RowStore` of one row."""
 
     def __init__(self, num_layers: int):
         super(DynamicCache, self).__init__(layers=[GrowableLayer() for _ in range(num_layers)])
@@ -107,6 +109,16 @@ class TreeCache(DynamicCache):
         offsets = torch.as_tensor(list(node_indices), dtype=torch.long)
         for layer in self.layers:
             layer.keep(start, offsets)
+
+    @property
+    def rows(self) -> int:
+        """One request's cache: one row (`RowStore`)."""
+        return 1
+
+    def keep_rows(self, start: int, kept: Sequence[Sequence[int]]) -> None:
+        """`keep` for the one row (`RowStore`)."""
+        (nodes,) = kept
+        self.keep(start, nodes)
 
 
 def drop_rows(row_lengths: list[int], rows: Sequence[int], move: Callable[[int, int, int], None]) -> list[int]:

@@ -11,6 +11,7 @@ lazily, at the next mask, so there is no commit hook to forget.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,17 +38,21 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
     return grammar
 
 
+# HF tokenizer -> (vocab, its llguidance view): kept beside the tokenizer, not on it, and gone with it
+_LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, tuple[int, Any]] = weakref.WeakKeyDictionary()
+
+
 def ll_tokenizer(tokenizer: Any, vocab: int) -> Any:
     """llguidance's view of a HF fast tokenizer over `vocab` LM-head rows (built once per tokenizer)."""
     import llguidance.hf
 
-    cached = getattr(tokenizer, "_rasd_llguidance", None)
+    cached = _LL_TOKENIZERS.get(tokenizer)
     if cached is None or cached[0] != vocab:
         try:
             cached = (vocab, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab))
         except Exception as exc:   # noqa: BLE001 - a slow (Python) tokenizer or one without byte tokens
             raise ValueError(f"grammars need a fast HF tokenizer ({type(exc).__name__}: {exc})") from exc
-        tokenizer._rasd_llguidance = cached
+        _LL_TOKENIZERS[tokenizer] = cached
     return cached[1]
 
 
