@@ -129,7 +129,7 @@ def run_level(url: str, api_key: str | None, questions: list[str], concurrency: 
 
     deadline = time.perf_counter() + level_timeout_s
     # One client (one kept-alive connection) per sending thread, as a real load generator holds them: a new
-    # httpx client per request costs ≈ 27 ms of CPU (its TLS context), taken from the 2 cores being measured.
+    # httpx client per request costs tens of ms of CPU (its TLS context), taken from the cores being measured.
     local, clients = threading.local(), []
 
     def one(question: str) -> dict[str, Any]:

@@ -1,16 +1,15 @@
 """The target's own answers for head training, many at once, with the final-norm feature of every position.
 
 Why not HF `generate`: at the batch sizes training data wants (hundreds of answers), its step is the dynamic
-cache's concatenation and the grouped heads' `repeat_kv` copies, not the model (bf16 on a 2-core AMX Xeon,
-256 answers at 160 tokens: 108 ms of `cat` and 105 ms of attention in a 340 ms step). Here every row has the
+cache's concatenation and the grouped heads' `repeat_kv` copies, not the model (measured:
+docs/lab-notes/drafters-and-training.md, "own answers"). Here every row has the
 same prompt length (fixed windows), so one growable cache per layer (`GrowableLayer`, written in place) serves
 the whole batch, the lean decoder layer (`fast_forward._layer`) attends to its filled part with the grouped heads
-as they are, and the step is the products: ≈ 3x the answers per CPU second.
+as they are, and the step is the products.
 
 `dtype`: the answers may come from a half-precision copy of the target (bf16 runs on AMX / tensor cores several
-times faster than fp32). Its greedy text is then its own, close to but not the fp32 target's (on SmolLM2 the
-two agree for a median of 25 tokens, then diverge into equally likely text), and so are its features (≈ 1.6%
-apart): training data, never a reference. Held-out agreement is always measured on the fp32 target.
+times faster than fp32). Its greedy text is then its own, close to but not the fp32 target's, and so are
+its features: training data, never a reference. Held-out agreement is always measured on the fp32 target.
 `temperature` > 0 samples the answers (seeded): more distinct text from the same prompts.
 """
 
@@ -115,8 +114,9 @@ def _next(logits: torch.Tensor, temperature: float, generator: torch.Generator |
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """[K] one index per row of probs [K, V], by inverse CDF in two levels (blocks, then within the block).
 
-    Why not `torch.multinomial`: on CPU it took 290 ms for 256 rows of a 49k vocabulary, as long as the step's
-    forward; the block sums here are one parallel reduction and the per-row work is 2 x 1024 entries."""
+    Why not `torch.multinomial`: on CPU it takes about as long as the step's forward at training batch sizes
+    (docs/lab-notes/drafters-and-training.md, "own answers"); the block sums here are one parallel reduction
+    and the per-row work is 2 x 1024 entries."""
     k, v = probs.shape
     padded = probs if v % _BLOCK == 0 else torch.nn.functional.pad(probs, (0, (-v) % _BLOCK))
     blocks = padded.view(k, -1, _BLOCK)                                                # [K, nb, B]

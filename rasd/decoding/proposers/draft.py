@@ -93,8 +93,8 @@ class DraftModelProposer(ProposerBase):
         self.forward_s: float | None = None   # EMA of one frontier draft forward (seconds)
         # EMA of what a step's first draft forward really costs when the draft is caught up: the whole `propose`
         # less its later layers' forwards (the catch-up, the root's logits, top-k, building the tree). Why apart
-        # from `forward_s`: an EAGLE-head try cost 12 ms where one forward was timed at 5 (Spec-Bench
-        # translation, AVX2 EPYC), so `root_pays` let the head try at 7% acceptance and `eagle` ran 0.98x `ar`.
+        # from `forward_s`: a head's try costs more than one timed forward, and judged by `forward_s` alone
+        # `root_pays` let it try where it cannot pay (docs/lab-notes/decoding-speed.md, "draft root cost").
         self.root_s: float | None = None
         self._try: tuple[float, float] | None = None   # (start, seconds of later layers) of the propose running
         self._caught_up = 0                            # tokens the last `_sync` ran

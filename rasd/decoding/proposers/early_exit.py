@@ -98,9 +98,10 @@ def new_exit_layer(target: nn.Module, layers: int) -> nn.Module:
 class SubsetHead(nn.Module):
     """The target's LM head restricted to a draft vocabulary: full-vocabulary logits, -inf outside it.
 
-    Why: on a CPU the 49152 x 576 head is a third of a draft step (9 ms of ~29), and the draft only needs
-    to be right about the tokens the target actually writes (FR-Spec's frequency-ranked subset: 8192 rows
-    cost 1.3 ms). Tokens outside the subset are never drafted; verification is unchanged, so output is too.
+    Why: on a CPU the full-vocabulary head is a large share of a draft step, and the draft only needs to be
+    right about the tokens the target actually writes (FR-Spec's frequency-ranked subset; measured:
+    docs/lab-notes/decoding-speed.md, "draft vocabulary"). Tokens outside the subset are never drafted;
+    verification is unchanged, so output is too.
     Under sampling q is 0 outside the subset, which the residual rule handles exactly.
     """
 

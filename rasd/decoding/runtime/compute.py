@@ -3,11 +3,9 @@
 Why: PyTorch's CPU build parallelises with GNU OpenMP, and libgomp gives each thread that opens a parallel
 region its own team of workers; the main thread's team lives as long as the process. Once libgomp manages
 more threads than there are CPUs it stops spinning between regions and wakes its workers through the
-kernel instead, and a decoding step opens hundreds of short regions. Measured on the 2-core machine: an
-8 x 576 -> 1536 product takes 90 us on the only thread that has run torch and 190-270 us on a second thread
-once the main thread has run one too; a batched verification step of 8 requests took 185 ms instead of 121,
-a prefill 1.2-1.4 s instead of 0.95. A service used to load its model and embed queries on one thread and
-decode on another, and paid that on every step.
+kernel instead, and a decoding step opens hundreds of short regions, each then paying a wake-up (measured:
+docs/lab-notes/decoding-speed.md, "compute thread"). A service used to load its model and embed queries on
+one thread and decode on another, and paid that on every step.
 
 So a service owns one `ComputeThread`: its decoding loop (the `Scheduler`, attached as its worker) runs
 there, and everything else that touches torch (loading models, warm-up, query and document embedding,
