@@ -103,9 +103,8 @@ class CostAwareSizer(SizerDefaults):
         GPU curve the trees are nearly free and win. A setting per machine is what a user should not have to
         know; tokens per second measured on the host decide instead (docs/lab-notes/sizing.md).
 
-        Asked only on steps where no free source has candidates (`root_pays` without free nodes): for `eagle`
-        every step; for `rasd:single_node=on` the steps where nothing was copied, where it is the head against the
-        head and recycling fused (off by default for `rasd`)."""
+        Asked only on steps where no free source has candidates (`root_pays` without free nodes), which for
+        `eagle`, the one method that arms it, is every step."""
         self.single_arm = DraftGate(block=block)
 
     @property
