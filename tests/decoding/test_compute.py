@@ -150,6 +150,7 @@ def test_a_worker_that_raises_does_not_stop_the_thread() -> None:
 
 def test_a_service_runs_all_its_torch_work_on_its_compute_thread(tmp_path: Path) -> None:
     """Decoding, query embedding and document ingest of a real service: every forward on one thread."""
+    from rasd.decoding.model.kernels.linear import LINEARS
     from rasd.index import Document, build_index
     from rasd.index.embed import load_embedder
     from rasd.serve.openai import DocQARequest
@@ -159,7 +160,7 @@ def test_a_service_runs_all_its_torch_work_on_its_compute_thread(tmp_path: Path)
     index = tmp_path / "index"
     build_index([Document(text=t, title=title) for title, t in DOCS[:2]], index)
     service = Service(ServeConfig(index=str(index), threads=1))
-    assert getattr(service.target.model.lm_head, "_rasd_fast", False), "kernel forms chosen at start-up"
+    assert LINEARS.role(service.target.model.lm_head).head, "kernel forms chosen at start-up"
     threads: dict[str, set[int]] = {"target": set(), "embedder": set()}
 
     def recorder(name: str) -> Any:
