@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rasd.apps.docqa import Source, fit_sources, open_index, scope_proposer
+from rasd.apps.docqa import Source, fit_sources, open_index
 from rasd.decoding.model.loading import load_model
 from rasd.decoding.proposers.recycling import RecyclingMatrix
 from rasd.decoding.proposers.registry import method_spec
@@ -39,7 +39,7 @@ def streams_for(target: Any, index: Any, method: str, requests: int, max_tokens:
             extra["recycling"] = recycling
         decoder = build_decoder(target, method, **extra)
         if sources:
-            scope_proposer(decoder.proposer, index, sources)
+            decoder.proposer.scope(index.source_tokens(sources))
         out.append(decoder.stream(ids, max_tokens, None, target.eos_token_ids, []))
     return out
 

@@ -87,13 +87,6 @@ def fit_sources(tokenizer: Any, question: str, sources: list[Source], max_prompt
         kept.pop()
 
 
-def scope_proposer(proposer: Any, index: Any, sources: list[Source]) -> None:
-    """Give a retrieval proposer the documents the retrieved sources come from as its per-request scope (callers
-    skip methods that do not use the index: reading the documents is a call per shard)."""
-    doc_ids = list(dict.fromkeys(s.doc_id for s in sources))
-    proposer.scope(index.document_tokens(doc_ids) if doc_ids else None)
-
-
 class DocQA:
     """Question → retrieved sources → cited prompt → speculative decoding with the index as datastore."""
 
@@ -123,9 +116,10 @@ class DocQA:
         return fit_sources(self.target.tokenizer, question, sources, budget, self.chat)
 
     def scope(self, sources: list[Source]) -> None:
-        """Point the proposer's per-request datastore at the documents the answer will draw on."""
+        """Point the proposer's per-request datastore at the documents the answer will draw on (only methods
+        that use the index: reading the documents is a call per shard)."""
         if method_spec(self.method).uses_index:
-            scope_proposer(self.decoder.proposer, self.index, sources)
+            self.decoder.proposer.scope(self.index.source_tokens(sources))
 
     def ask(self, question: str, max_new_tokens: int | None = None, sampling: SamplingParams | None = None,
             top_k: int | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> Answer:

@@ -300,7 +300,7 @@ class LocalBackend(DecodingBackend):
         decoder = build_decoder(self.target, p.method, draft=draft, heartbeat=self.scheduler.beat, **extra)
         warm_start(decoder.sizer, self._warm.get(p.method))
         if p.sources and index is not None and spec.uses_index:   # only those draft from documents
-            scope_to_sources(decoder.proposer, index, p.sources)
+            decoder.proposer.scope(index.source_tokens(p.sources))
         return decoder.stream(p.prompt_ids, p.max_tokens, p.sampling, self.target.eos_token_ids, p.stop,
                               logprobs=p.logprobs)
 
@@ -392,13 +392,6 @@ class LocalBackend(DecodingBackend):
         if self.drafts is not None:
             self.drafts.close()
         self.save_recycling_quietly()   # a read-only home must not turn a clean shutdown into a crash
-
-
-def scope_to_sources(proposer: Any, index: Any, sources: list[Any]) -> None:
-    """Give a retrieval proposer the documents the retrieved sources come from as its per-request scope
-    (as `rasd.apps.docqa.scope_proposer`, which this layer may not import)."""
-    doc_ids = list(dict.fromkeys(s.doc_id for s in sources))
-    proposer.scope(index.document_tokens(doc_ids) if doc_ids else None)
 
 
 def manifest_stamp(index: str | None) -> tuple[int, int, int] | None:

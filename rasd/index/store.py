@@ -114,6 +114,15 @@ class IndexReader:
     def search_vectors(self, query_vectors: np.ndarray, k: int) -> list[list[Hit]]:
         raise NotImplementedError
 
+    def document_tokens(self, doc_ids: Sequence[int]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def source_tokens(self, sources: Sequence[Any]) -> list[list[int]] | None:
+        """Token ids of the documents retrieved sources (anything with a `doc_id`) come from, each once; None
+        without sources. What a retrieval proposer is scoped to per request (`ProposerBase.scope`)."""
+        doc_ids = list(dict.fromkeys(int(s.doc_id) for s in sources))
+        return self.document_tokens(doc_ids) if doc_ids else None
+
     def embed_queries(self, queries: Sequence[str]) -> np.ndarray:
         """[q, dim] normalised query embeddings with the index's own embedder."""
         from rasd.index.embed import embed_texts, load_embedder
