@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rasd.decoding.model import exact_attention
 from rasd.decoding.model.features import layer_keepers
-from rasd.decoding.model.kernels import GATE_UP, QKV, projections
+from rasd.decoding.model.kernels import GATE_UP, QKV, fast_kernels, projections
 from rasd.decoding.model.target import TargetModel
 from rasd.decoding.step.cache import TreeCache, cache_kwargs
 
@@ -34,16 +35,43 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 def forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+            mask: torch.Tensor | None = None, last_only: bool = False, exact: bool = True) -> torch.Tensor:
     """Logits [1, T, vocab] (or [1, 1, vocab] with `last_only`) for input_ids [1, T], appending to `cache`.
 
-    mask: additive [1, 1, T, past + T], or None for plain causal attention over the cache.
+    mask: additive [1, 1, T, past + T], or None for plain causal attention over the cache. `exact`: a tree step of
+    a reduced-precision model computes each node as plain decoding would (`row_exact`); a draft model's need not.
     """
     if not TargetModel.of(model).runs_lean(input_ids.device):
         return _hf_forward(model, cache, input_ids, position_ids, mask, last_only)
+    plans = exact_attention.plan(mask) if exact and mask is not None and row_exact(model) else None
     # normed at every position (cheap) before the cut, so a feature reader (`decoding.features`) sees them all
-    normed = model.model.norm(_decode(model.model, cache, input_ids, position_ids, mask))
+    normed = model.model.norm(_decode(model.model, cache, input_ids, position_ids, mask, plans))
     return model.lm_head(normed[:, -1:] if last_only else normed)
+
+
+def prefill(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits [vocab] of the last of `input_ids` [1, T] appended to `cache` after its entries.
+
+    A reduced-precision model on the lean path prefills through it too (inside `fast_kernels`): its cache then
+    holds what every later step computes with (float32 K/V, `_attention_dtype`), the same bits with or without
+    a prefix hit. Others run HF's forward, as they always did."""
+    past = cache.get_seq_length()
+    if row_exact(model) and TargetModel.of(model).lean:
+        positions = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
+        with fast_kernels(True):
+            return forward(model, cache, input_ids, positions, last_only=True)[0, -1]
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+    return out.logits[0, -1]
+
+
+def row_exact(model: torch.nn.Module) -> bool:
+    """Whether tree steps compute every node as plain decoding would, bit for bit (`exact_attention`): the lean
+    CPU path of a model in reduced precision, where a last-bit difference would grow into another token."""
+    param = next(model.parameters())
+    return param.device.type == "cpu" and param.dtype in REDUCED
+
+
+REDUCED = (torch.bfloat16, torch.float16)
 
 
 def _hf_forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -55,7 +83,7 @@ def _hf_forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tenso
 
 
 def _decode(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            mask: torch.Tensor | None) -> torch.Tensor:
+            mask: torch.Tensor | None, plans: list[exact_attention.RowPlan] | None = None) -> torch.Tensor:
     """Hidden states [1, T, H] after the last decoder layer (before the final norm)."""
     hidden = F.embedding(input_ids, inner.embed_tokens.weight)           # [1, T, H]
     cos, sin = inner.rotary_emb.forward(hidden, position_ids)            # [1, T, D] each
@@ -69,14 +97,15 @@ def _decode(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
             mask = _causal_mask(past, input_ids.shape[1], hidden.dtype, hidden.device)
     keepers = layer_keepers(inner)   # a fused EAGLE head reads some layers' outputs (`decoding.features`)
     for i, (layer, kv) in enumerate(zip(inner.layers, cache.layers, strict=False)):
-        hidden = _layer(layer, kv, hidden, cos, sin, mask, causal, pad)
+        hidden = _layer(layer, kv, hidden, cos, sin, mask, causal, pad, plans)
         for keeper in keepers:
             keeper.keep(i, hidden)
     return hidden
 
 
 def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           mask: torch.Tensor | None, causal: bool = False, pad: int = 0) -> torch.Tensor:
+           mask: torch.Tensor | None, causal: bool = False, pad: int = 0,
+           plans: list[exact_attention.RowPlan] | None = None) -> torch.Tensor:
     """One decoder layer, as LlamaDecoderLayer computes it.
 
     `causal`: the new tokens attend causally to themselves and to all `pad` cached entries before them.
@@ -84,20 +113,37 @@ def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Ten
     front (dropped afterwards). That runs the kernel on the same shapes as one prefill of the whole prompt,
     skipping the masked half as it does, and gives the same bits for the new rows (a prefix-cache hit is
     exact); an explicit mask would make every query visit every key.
+
+    `plans`: each tree node attends in its own call, as plain decoding would (`exact_attention`).
     """
     attn = layer.self_attn
     batch, length = hidden.shape[:2]
     x = _rms(hidden, layer.input_layernorm)
     shape = (batch, length, -1, attn.head_dim)
     q, k, v = (t.view(shape).transpose(1, 2) for t in projections(attn, QKV, x))   # [B, H or H_kv, T, D]
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k, v = _attention_dtype(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
     k, v = kv.update(k, v)                                               # [B, H_kv, past + T, D]
-    if pad:
-        q = torch.cat([q.new_zeros((*q.shape[:2], pad, q.shape[-1])), q], dim=2)   # [B, H, past + T, D]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=attn.scaling,
-                                       enable_gqa=True)[:, :, pad:]
-    o = o.transpose(1, 2).reshape(batch, length, -1)                     # [B, T, H * D]
+    if plans is not None:
+        o = exact_attention.attend(q, k, v, plans, attn.scaling)
+    else:
+        if pad:
+            q = torch.cat([q.new_zeros((*q.shape[:2], pad, q.shape[-1])), q], dim=2)   # [B, H, past + T, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.to(q.dtype),
+                                           is_causal=causal, scale=attn.scaling, enable_gqa=True)[:, :, pad:]
+    o = o.transpose(1, 2).reshape(batch, length, -1).to(hidden.dtype)   # [B, T, H * D]
     return _mlp_block(layer, hidden + attn.o_proj.forward(o))
+
+
+def _attention_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in float32 on a CPU when they are bf16/fp16 (the cache then holds float32, exactly the same values).
+
+    Why: on CPUs the reduced-precision attention kernel is slower than float32's for the few queries of a
+    decoding step (one query over 600 keys: 340 us against 52 us, 2-core AVX-512 EPYC), and attention reads
+    little memory next to the weights."""
+    if q.device.type != "cpu" or q.dtype not in REDUCED:
+        return q, k, v
+    return q.float(), k.float(), v.float()
 
 
 def _mlp_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -160,8 +206,9 @@ def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Ten
     mask_c = _prompt_mask(past, chunk_ids.shape[1], hidden_c.dtype, hidden_c.device)
     hidden = torch.cat([hidden_d.reshape(rows, -1), hidden_c[0]])                         # [B·W + C, H]
     keepers = layer_keepers(inner)
+    plans = exact_attention.plan(mask) if row_exact(model) else None
     for i, (layer, kv_d, kv_c) in enumerate(zip(inner.layers, cache.layers, chunk_cache.layers, strict=False)):
-        hidden = _layer_mixed(layer, (kv_d, kv_c), hidden, (batch, width), (rope_d, rope_c), (mask, mask_c))
+        hidden = _layer_mixed(layer, (kv_d, kv_c), hidden, (batch, width), (rope_d, rope_c), (mask, mask_c), plans)
         for keeper in keepers:
             keeper.keep(i, hidden)
     normed = model.model.norm(hidden)   # every position: the chunk's features too (`decoding.features`)
@@ -170,7 +217,8 @@ def forward_mixed(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Ten
 
 def _layer_mixed(layer: torch.nn.Module, kvs: tuple[Any, Any], hidden: torch.Tensor, shape: tuple[int, int],
                  ropes: tuple[list[torch.Tensor], list[torch.Tensor]],
-                 masks: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+                 masks: tuple[torch.Tensor, torch.Tensor | None],
+                 plans: list[exact_attention.RowPlan] | None = None) -> torch.Tensor:
     """`_layer` on stacked rows [B·W + C, H]: shared products, attention per part (mask None: causal)."""
     attn = layer.self_attn
     batch, width = shape
@@ -182,8 +230,12 @@ def _layer_mixed(layer: torch.nn.Module, kvs: tuple[Any, Any], hidden: torch.Ten
         sl = slice(0, rows) if part == 0 else slice(rows, None)
         lead = (batch, width) if part == 0 else (1, hidden.shape[0] - rows)
         qp, kp, vp = (t[sl].view(*lead, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
-        kp, vp = kv.update(_rotate(kp, cos, sin), vp)
-        o = F.scaled_dot_product_attention(_rotate(qp, cos, sin), kp, vp, attn_mask=mask, is_causal=mask is None,
-                                           scale=attn.scaling, enable_gqa=True)
+        qp, kp, vp = _attention_dtype(_rotate(qp, cos, sin), _rotate(kp, cos, sin), vp)
+        kp, vp = kv.update(kp, vp)
+        if part == 0 and plans is not None:
+            o = exact_attention.attend(qp, kp, vp, plans, attn.scaling)
+        else:
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=None if mask is None else mask.to(qp.dtype),
+                                               is_causal=mask is None, scale=attn.scaling, enable_gqa=True)
         outs.append(o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[-1]))
-    return _mlp_block(layer, hidden + attn.o_proj.forward(torch.cat(outs)))
+    return _mlp_block(layer, hidden + attn.o_proj.forward(torch.cat(outs).to(hidden.dtype)))

@@ -262,7 +262,7 @@ class DraftModelProposer(ProposerBase):
         """Draft logits [n, vocab] for tree nodes first.."""
         _, ids, pos, mask = self._node_inputs(tree, first, context_len)
         t0 = time.perf_counter()
-        logits = fast_forward.forward(self.model, self.cache, ids, pos, mask)[0].float()
+        logits = fast_forward.forward(self.model, self.cache, ids, pos, mask, exact=False)[0].float()
         self._time_forward(t0)
         return logits
 

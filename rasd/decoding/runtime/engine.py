@@ -25,7 +25,7 @@ from rasd.decoding.runtime.stats import DecodeStats
 from rasd.decoding.sizing.cost import context_bucket, load_or_measure
 from rasd.decoding.sizing.gate import DraftGate
 from rasd.decoding.sizing.sizers import CostAwareSizer, FixedSizer, Sizer, make_sizer
-from rasd.decoding.step.cache import TreeCache, cache_kwargs
+from rasd.decoding.step.cache import TreeCache
 from rasd.decoding.step.logits import LogitsProcessors
 from rasd.decoding.step.sampling import GREEDY, SamplingParams, next_token
 from rasd.decoding.step.tree import GRAMMAR, DraftTree
@@ -255,8 +255,7 @@ class GenerationStream:
                 pos = torch.arange(cached, len(self.prompt_ids), device=dec.device)[None]
                 logits = fast_forward.forward(dec.model, cache, ids, pos, last_only=True)[0, -1]
             else:
-                out = dec.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(dec.model, cache))
-                logits = out.logits[0, -1]
+                logits = fast_forward.prefill(dec.model, cache, ids)
         self.feed_features(cached, row_features(dec.model))
         return self.first_token(logits)
 

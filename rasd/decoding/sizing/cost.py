@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from rasd.decoding.model import fast_forward
 from rasd.decoding.model.kernels import fast_kernels, install
 from rasd.decoding.model.probe import machine_probe, was_busy
 from rasd.decoding.model.static_step import StaticRows, StepConfig
-from rasd.decoding.step.cache import TreeCache, cache_kwargs
+from rasd.decoding.step.cache import TreeCache
 from rasd.decoding.step.tree import DraftTree
 from rasd.decoding.step.verify import tree_forward
 from rasd.fsio import atomic_file
@@ -117,7 +118,7 @@ def measure_curve(model: torch.nn.Module, context_len: int, sizes: tuple[int, ..
     install(model)
     probe = machine_probe()
     cache = TreeCache.for_model(model)
-    model(input_ids=context, use_cache=True, **cache_kwargs(model, cache))
+    fast_forward.prefill(model, cache, context)
     forward = _timed_forward(model, cache, step)
     trees = {size: DraftTree.chain(1, [int(t) for t in torch.randint(0, vocab, (size - 1,), generator=gen)],
                                    "probe") for size in sizes}

@@ -36,8 +36,10 @@ def onednn_available() -> bool:
 
 
 def can_pack(weight: torch.Tensor, form: str = PACKED) -> bool:
+    """Whether `weight` can take `form` here: MKL packs float32 weights; oneDNN also bf16 ones."""
     available = onednn_available() if form == ONEDNN else packing_available()
-    return available and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    dtypes = (torch.float32, torch.bfloat16) if form == ONEDNN else (torch.float32,)
+    return available and weight.dtype in dtypes and weight.device.type == "cpu"
 
 
 def unpacked_form(rows: int) -> str:

@@ -19,8 +19,18 @@ import torch.nn.functional as F
 import rasd.decoding.model.kernels.choices as _choices
 from rasd.decoding.model.kernels.attention import route_attention
 from rasd.decoding.model.kernels.choices import BUCKETS, MAX_TUNED_ROWS, forced_form, key
-from rasd.decoding.model.kernels.forms import COPIES, HALF, PACKED_FORMS, STOCK, half, packed_product, unpacked
-from rasd.decoding.model.kernels.mode import tuned_products
+from rasd.decoding.model.kernels.forms import (
+    COPIES,
+    HALF,
+    ONEDNN,
+    PACKED_FORMS,
+    STOCK,
+    can_pack,
+    half,
+    packed_product,
+    unpacked,
+)
+from rasd.decoding.model.kernels.mode import fast_enabled, tuned_products
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")   # parts that read the same input
 
@@ -63,8 +73,36 @@ _PLAIN = Role(head=False, approximate=False)
 LINEARS = TunedLinears()   # one per process, like the modules it describes
 
 
+REDUCED = (torch.bfloat16, torch.float16)
+
+
+def row_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              module: torch.nn.Linear | None = None) -> torch.Tensor:
+    """`x @ W.T (+ b)` whose every row's result is the same bits whatever the row count: one row goes as the first
+    of two, through oneDNN's product with the weight packed once where it can (`module` given), else `F.linear`.
+
+    Why: on CPU a reduced-precision product of one row takes another kernel than two or more rows (which agree
+    with one another: tests/decoding/test_row_exact.py), summing in another order; in bf16 such a last-bit
+    difference grows into another token (`exact_attention`). Why packed: `F.linear` in bf16 reorders the weight
+    on every call; a bf16 model's products read their packed weight at about twice the speed (a 135M model's
+    layers: 13-14 ms against 21-25 ms for 1-8 rows, 2-core AVX-512 EPYC)."""
+    rows = x.reshape(-1, x.shape[-1])   # [M, in]
+    single = rows.shape[0] == 1
+    if single:
+        rows = torch.cat([rows, rows])
+    if module is not None and can_pack(weight, ONEDNN) and not torch.is_grad_enabled():
+        out = packed_product(ONEDNN, rows, COPIES.packed(module, ONEDNN), weight, bias)
+    else:
+        out = F.linear(rows, weight, bias)
+    return out[:1].reshape(*x.shape[:-1], out.shape[-1]) if single else out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`F.linear`, or on CPU inside `fast_kernels()` for 1-64 rows, the form measured fastest for M."""
+    """`F.linear`, or on CPU inside `fast_kernels()` for 1-64 rows, the form measured fastest for M; a reduced-
+    precision target's products there are row-exact (`row_exact`)."""
+    if (self.weight.dtype in REDUCED and x.device.type == "cpu" and fast_enabled() and x.dim() >= 2
+            and not LINEARS.approximate(self)):
+        return row_exact(x, self.weight, self.bias, self)
     if not tuned_products() or x.device.type != "cpu" or x.dim() < 2:
         return F.linear(x, self.weight, self.bias)
     rows = x.reshape(-1, x.shape[-1])   # [M, in]

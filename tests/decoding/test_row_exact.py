@@ -1,0 +1,123 @@
+"""Reduced precision is lossless by construction: in bf16 every tree node's logits are the bits plain decoding
+computes for that token (`kernels.linear.row_exact`, `model.exact_attention`), so every method, single and
+batched, gives exactly `ar`'s tokens in bf16, with no near-tie allowance.
+
+Why no allowance: bf16 rounds every layer's output to 8 bits of mantissa, so a last-bit difference grows into
+another token within a few dozen (measured before this: every method left `ar` after 14-75 tokens on Spec-Bench).
+A tiny random model's logits are nearly flat, so near-ties are everywhere here: a test that would pass by luck
+in fp32 fails at once in bf16 unless the computation is exact.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from rasd.decoding.model import exact_attention
+from rasd.decoding.model.kernels import fast_kernels, install
+from rasd.decoding.model.kernels.linear import row_exact
+from rasd.decoding.proposers import METHODS, make_proposer
+from rasd.decoding.runtime.engine import GenerationStream, SpeculativeDecoder
+from rasd.decoding.sizing.sizers import FixedSizer
+from rasd.decoding.step.batch_decoder import BatchDecoder
+from rasd.decoding.step.cache import TreeCache
+from rasd.decoding.step.tree import DraftTree
+from rasd.decoding.step.verify import tree_forward
+from tests.decoding.test_batch import add, drain, repeating
+from tests.decoding.test_proposer_contract import inputs_for
+from tests.helpers import random_prompt, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW_TOKENS = 24
+PROMPTS = [random_prompt(12, 3) * 2, random_prompt(30, 4)]
+
+
+@cache
+def bf16_llama(seed: int) -> torch.nn.Module:
+    """`tiny_llama(seed)` as bf16, its own object (the fp32 one is shared by other tests)."""
+    with torch.inference_mode(False):
+        return copy.deepcopy(tiny_llama(seed)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (64, 160), (1536, 576), (576, 1536)])
+def test_a_row_exact_product_gives_each_row_the_same_bits_at_every_row_count(shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(shape, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(96, shape[1], generator=gen).bfloat16()
+    alone = torch.cat([row_exact(x[r: r + 1], weight, None) for r in range(len(x))])
+    for rows in (2, 3, 5, 8, 16, 33):
+        together = torch.cat([row_exact(x[r: r + rows], weight, None) for r in range(0, len(x), rows)])
+        assert torch.equal(together, alone), f"{rows} rows at a time differ from one at a time"
+
+
+def test_exact_attention_plans_paths_from_the_tree_mask() -> None:
+    tree = DraftTree(tokens=[5, 6, 7, 8], parents=[-1, 0, 0, 2], sources=["root", "a", "b", "b"], scores=[1.0] * 4)
+    from rasd.decoding.step.verify import tree_inputs
+
+    _, _, mask = tree_inputs(tree, 10, torch.bfloat16, "cpu")
+    (row,) = exact_attention.plan(mask)
+    assert (row.base, row.end) == (10, 14)
+    assert [n.length for n in row.nodes] == [11, 12, 12, 13]
+    assert row.nodes[0].source is None and row.nodes[1].source is None       # chain 0 -> 1 lies in place
+    assert row.nodes[2].source.tolist() == [0, 2] and row.nodes[3].source.tolist() == [0, 2, 3]
+
+
+@torch.inference_mode()
+def test_every_node_of_a_branching_tree_gets_plain_decodings_bits() -> None:
+    model = install(bf16_llama(0))
+    prompt = random_prompt(40, 7)
+    tree = DraftTree(tokens=[3, 11, 12, 13, 14, 15], parents=[-1, 0, 0, 1, 2, 4],
+                     sources=["root"] + ["t"] * 5, scores=[1.0] * 6)
+
+    def prefilled() -> TreeCache:
+        from rasd.decoding.model import fast_forward
+
+        cache = TreeCache.for_model(model)
+        fast_forward.prefill(model, cache, torch.tensor([prompt]))
+        return cache
+
+    with fast_kernels(True):
+        logits = tree_forward(model, prefilled(), tree)
+        for node in range(len(tree)):
+            path = [0, *tree.path_to(node)]   # the root first: it is the newest token, not yet in the cache
+            cache = prefilled()
+            for step in path:
+                plain = tree_forward(model, cache, DraftTree.root_only(tree.tokens[step]))[0]
+            assert torch.equal(logits[node], plain), f"node {node} differs from plain decoding of its path"
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_in_bf16_gives_exactly_ars_tokens(method: str, tmp_path: Path) -> None:
+    target = bf16_llama(0)
+    inputs = inputs_for(METHODS[method], target, tmp_path)
+    if "draft_model" in inputs:
+        inputs["draft_model"] = bf16_llama(1)
+    ours = [SpeculativeDecoder(target, make_proposer(method, **inputs), sizer=FixedSizer(16))
+            .generate(p, NEW_TOKENS).token_ids for p in PROMPTS]
+    ar = [SpeculativeDecoder(target, make_proposer("ar"), sizer=FixedSizer(16)).generate(p, NEW_TOKENS).token_ids
+          for p in PROMPTS]
+    assert ours == ar, f"{method} differs from ar in bf16"
+
+
+def test_a_bf16_batch_gives_every_request_exactly_its_own_ar_tokens() -> None:
+    """Rows of different lengths (padded cache), a tree per row, chunked prefill riding along."""
+    model = bf16_llama(0)
+    batch = BatchDecoder(model, chunk_tokens=8)
+    requests = [("pld", 40, 0, 29), ("ar", 7, 1, 13), ("draft", 23, 2, 37), ("pld", 35, 3, 20)]
+    blocks: dict[int, list[int]] = {}
+    streams: list[GenerationStream] = []
+    for method, length, seed, max_new in requests:
+        draft = model if method == "draft" else None
+        options = {"top_k": 2, "width": 3, "min_prob": 0.0} if method == "draft" else {}
+        dec = SpeculativeDecoder(model, make_proposer(method, draft, **options), sizer=FixedSizer(8))
+        add(batch, dec.stream(repeating(length, seed), max_new), blocks, streams)
+    drain(batch, blocks, streams)
+    for stream, (_, length, seed, max_new) in zip(streams, requests, strict=True):
+        alone = SpeculativeDecoder(model, make_proposer("ar"), sizer=FixedSizer(8)).generate(
+            repeating(length, seed), max_new).token_ids
+        assert stream.output is not None and stream.output.token_ids == alone == blocks[id(stream)]
