@@ -12,6 +12,15 @@ from typing import Any
 from rasd.errors import CliError
 
 
+def _dtype(value: str) -> str:
+    """argparse type for --dtype: a clear one-line error for a name torch does not have."""
+    from rasd.decoding.model.loading import DTYPES
+
+    if value != "auto" and value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; choose auto or one of {', '.join(sorted(DTYPES))}")
+    return value
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Model options shared by subcommands."""
     p.add_argument("--model", default="default", help="HF hub id, local path, or `default` (embedded SmolLM2-135M)")
@@ -19,7 +28,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="small causal LM sharing the target's tokenizer, "
                         "or `eesd` (the target's own early-exit self-draft)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto", type=_dtype,
+                   help="auto (default: the fastest dtype that is exact on this machine, measured once: bf16 where "
+                        "the CPU/GPU computes it natively and it is faster), float32, bfloat16 or float16")
     p.add_argument("--no-graphs", action="store_true",
                    help="on CUDA, verify with eager forwards instead of static shapes captured as CUDA graphs")
 

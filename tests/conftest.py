@@ -39,6 +39,10 @@ def rasd_home_for_tests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
         (home / part).parent.mkdir(parents=True, exist_ok=True)
         (home / part).symlink_to(real / part, target_is_directory=True)
     os.environ["RASD_HOME"] = str(home)
+    # `--dtype auto` (the CLI and service default) takes fp32 in tests whatever the CPU: outputs compared with
+    # fp32 references stay machine-independent; bf16 is tested where asked for (test_row_exact, test_precision)
+    native_before = os.environ.get("RASD_NATIVE_BF16")
+    os.environ["RASD_NATIVE_BF16"] = "0"
     try:
         yield home
     finally:
@@ -46,6 +50,10 @@ def rasd_home_for_tests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
             os.environ.pop("RASD_HOME", None)
         else:
             os.environ["RASD_HOME"] = before
+        if native_before is None:
+            os.environ.pop("RASD_NATIVE_BF16", None)
+        else:
+            os.environ["RASD_NATIVE_BF16"] = native_before
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -187,7 +187,7 @@ class Answerer:
     """Ray Data callable class: model and index loaded once per actor, then `DocQA.ask` per question."""
 
     def __init__(self, index: str, model: str = "default", method: str = "rasd", max_tokens: int = 128,
-                 top_k: int = 4, threads: int = 0, device: str = "cpu", dtype: str = "float32"):
+                 top_k: int = 4, threads: int = 0, device: str = "cpu", dtype: str = "auto"):
         import torch
 
         from rasd.apps.docqa import DocQA

@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft model for `draft`, `optree`, `rasd`, `hf-assisted`; `eesd` = the target's "
                              "early-exit self-draft (`optree` uses it by default)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", help="auto (the fastest exact dtype on this machine, measured "
+                        "once), float32, bfloat16 or float16; HF baselines run in the same dtype")
     parser.add_argument("--no-graphs", action="store_true",
                         help="on CUDA, verify with eager forwards instead of static shapes in CUDA graphs")
     parser.add_argument("--dataset", required=True, help="Spec-Bench question.jsonl or LongBench jsonl")

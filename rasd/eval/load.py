@@ -165,16 +165,17 @@ def run_level(url: str, api_key: str | None, questions: list[str], concurrency: 
                                      if done else None), "rows": rows}
 
 
-def reference(index_spec: str, model: str, questions: list[str], method: str, top_k: int, max_tokens: int
-              ) -> dict[str, Any]:
-    """In-process answers (identity check) and HF greedy single-request speed on the same prompts."""
+def reference(index_spec: str, model: str, questions: list[str], method: str, top_k: int, max_tokens: int,
+              dtype: str = "float32") -> dict[str, Any]:
+    """In-process answers (identity check) and HF greedy single-request speed on the same prompts, in the
+    service's dtype (its `/healthz`): same output is only promised within one dtype."""
     from tqdm import tqdm
 
     from rasd.apps.docqa import DocQA, open_index
     from rasd.decoding.model.loading import load_model
     from rasd.eval.runners import HFRunner, SamplingConfig
 
-    index, target = open_index(index_spec, model), load_model(model)
+    index, target = open_index(index_spec, model), load_model(model, dtype=dtype)
     qa = DocQA(index, target, method=method, top_k=top_k, max_new_tokens=max_tokens)
     hf = HFRunner("hf", target, SamplingConfig())
     answers, records = {}, []
@@ -204,7 +205,7 @@ def run_load(args: Any) -> int:
         raise CliError("--concurrency needs positive integers, e.g. 1,4,8")
     questions = load_questions(args.questions, args.limit)
     try:
-        Client(args.url, api_key=args.api_key, retries=0).health()
+        health = Client(args.url, api_key=args.api_key, retries=0).health()
     except Exception as exc:
         raise CliError(f"no service at {args.url} ({exc}); start one with `rasd serve --index ...`") from exc
     params = {"max_tokens": args.max_tokens, "method": args.method, "top_k_sources": args.top_k_sources,
@@ -215,7 +216,9 @@ def run_load(args: Any) -> int:
             print(f"concurrency {level}, pass {n}: {len(questions)} questions ...", file=sys.stderr, flush=True)
             results.append({"pass": n, **run_level(args.url, args.api_key, questions, level, params,
                                                    args.request_timeout, args.level_timeout)})
-    ref = reference(args.index, args.model, questions, args.method, args.top_k_sources, args.max_tokens)
+    dtype = health.get("dtype") if isinstance(health, dict) else None
+    ref = reference(args.index, args.model, questions, args.method, args.top_k_sources, args.max_tokens,
+                    dtype or "float32")
     for level in results:
         same = [row["answer"] == ref["answers"][row["question"]] for row in level["rows"] if row["outcome"] == "ok"]
         level["identical_to_in_process"] = sum(same) / len(same) if same else None

@@ -57,7 +57,8 @@ class ServeConfig:
     draft_model: str | None = setting(None, "small causal LM sharing the target's tokenizer, or `eesd` (the "
                                             "target's own early-exit self-draft)", flag=True)
     device: str = setting("cpu", "torch device of the model", flag=True)
-    dtype: str = setting("float32", "torch dtype of the model", flag=True)
+    dtype: str = setting("auto", "torch dtype of the model: auto (measured fastest exact dtype on this machine, "
+                                 "bf16 where native and faster), float32, bfloat16 or float16", flag=True)
     graphs: bool = setting(True, "on CUDA, verify in static shapes captured as CUDA graphs (--no-graphs: eager "
                                  "forwards)")
     method: str = setting("pld", "default method of /v1/completions and chat", flag=True)
@@ -183,6 +184,8 @@ class ServeConfig:
         gpus = self.verifier_options.get("num_gpus", 0)
         if not isinstance(gpus, int | float) or gpus < 0:
             raise ConfigError("verifier_options", f"num_gpus must be a number >= 0 (got {gpus!r})")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ConfigError("dtype", f"must be auto or one of {', '.join(DTYPE_NAMES)} (got {self.dtype!r})")
         if self.draft_workers:
             from rasd.distributed.draft_worker import check_spec, worker_spec
 
@@ -193,6 +196,9 @@ class ServeConfig:
         the thread count filled in; done once, by whoever builds the app."""
         threads = self.threads if self.threads is not None else default_threads(self.replicas)
         return replace(self, api_key=resolve_api_key(self.api_key), threads=threads)
+
+
+DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")   # `loading.DTYPES` (not imported: torch)
 
 
 def default_threads(replicas: int = 1) -> int:

@@ -164,7 +164,8 @@ class RasdIngress:
                 "model": self.config.model_name, "auth": self.api_key is not None,
                 "running": sum(s["running"] for s in healthy), "waiting": sum(s["waiting"] for s in healthy),
                 "index": first.get("index"), "torch_threads": first.get("torch_threads"), "omp": first.get("omp"),
-                "verifier": first.get("verifier"), "replicas": [
+                "verifier": first.get("verifier"), "dtype": first.get("dtype"),
+                "dtype_reason": first.get("dtype_reason"), "replicas": [
                     {k: s[k] for k in ("replica", "running", "waiting", "problem")} for s in healthy]}
         return body if problem is None else JSONResponse(body, status_code=503)
 

@@ -164,7 +164,8 @@ class RasdServer:
                 "waiting": waiting, "index": None if service.index is None else str(service.index.root),
                 "torch_threads": service.backend.threads,
                 "omp": os.environ.get("OMP_NUM_THREADS"),
-                "verifier": service.backend.name}
+                "verifier": service.backend.name, "dtype": service.target.dtype,
+                "dtype_reason": service.target.dtype_reason}
 
     async def info(self) -> dict[str, Any]:
         return self.service.info()

@@ -72,6 +72,8 @@ class Service:
         self.compute = ComputeThread(config.threads)
         self.target = self.compute.run(load_model, config.model, device=config.device, dtype=config.dtype,
                                        graphs=config.graphs)
+        # `auto` resolved once, here: the verifier actor and draft workers load the dtype this replica runs in
+        config = self.config = replace(config, dtype=self.target.dtype)
         self.indexes = IndexHolder(config.index, self.target, self.compute, config.retrieval_shards)
         self._ingest_lock = threading.Lock()
         self.backend = make_backend(config, self.target, self.compute, self.indexes)

