@@ -14,11 +14,12 @@ from rasd.errors import CliError
 
 def _dtype(value: str) -> str:
     """argparse type for --dtype: a clear one-line error for a name torch does not have."""
-    from rasd.decoding.model.loading import DTYPES
+    from rasd.decoding.model.loading import ModelLoadError, check_dtype
 
-    if value != "auto" and value not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; choose auto or one of {', '.join(sorted(DTYPES))}")
-    return value
+    try:
+        return check_dtype(value)
+    except ModelLoadError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -30,7 +31,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", type=_dtype,
                    help="auto (default: the fastest dtype that is exact on this machine, measured once: bf16 where "
-                        "the CPU/GPU computes it natively and it is faster), float32, bfloat16 or float16")
+                        "the CPU/GPU computes it natively and it is faster), float32, bfloat16, float16, or int8 / "
+                        "int4 (CPU: bf16 activations, weights read as 8 / 4 bits)")
     p.add_argument("--no-graphs", action="store_true",
                    help="on CUDA, verify with eager forwards instead of static shapes captured as CUDA graphs")
 

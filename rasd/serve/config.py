@@ -57,8 +57,8 @@ class ServeConfig:
     draft_model: str | None = setting(None, "small causal LM sharing the target's tokenizer, or `eesd` (the "
                                             "target's own early-exit self-draft)", flag=True)
     device: str = setting("cpu", "torch device of the model", flag=True)
-    dtype: str = setting("auto", "torch dtype of the model: auto (measured fastest exact dtype on this machine, "
-                                 "bf16 where native and faster), float32, bfloat16 or float16", flag=True)
+    dtype: str = setting("auto", "dtype of the model: auto (the fastest dtype exact on this machine, measured "
+                                 "once), float32, bfloat16, float16, int8 or int4 (CPU weight-only)", flag=True)
     graphs: bool = setting(True, "on CUDA, verify in static shapes captured as CUDA graphs (--no-graphs: eager "
                                  "forwards)")
     method: str = setting("pld", "default method of /v1/completions and chat", flag=True)
@@ -198,7 +198,8 @@ class ServeConfig:
         return replace(self, api_key=resolve_api_key(self.api_key), threads=threads)
 
 
-DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")   # `loading.DTYPES` (not imported: torch)
+# `loading.DTYPES` and `WEIGHT_ONLY` (not imported here: they need torch)
+DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "int8", "int4")
 
 
 def default_threads(replicas: int = 1) -> int:

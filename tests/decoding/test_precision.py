@@ -77,7 +77,7 @@ def test_the_real_check_finds_bf16_exact_on_a_tiny_llama() -> None:
 
 
 def test_an_unknown_dtype_is_a_one_line_error_before_loading() -> None:
-    with pytest.raises(ModelLoadError, match="choose auto or one of"):
+    with pytest.raises(ModelLoadError, match="choose auto, int8, int4 or one of"):
         load_model("default", dtype="float8")
 
 

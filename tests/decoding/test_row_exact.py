@@ -1,6 +1,7 @@
-"""Reduced precision is lossless by construction: in bf16 every tree node's logits are the bits plain decoding
-computes for that token (`kernels.linear.row_exact`, `model.exact_attention`), so every method, single and
-batched, gives exactly `ar`'s tokens in bf16, with no near-tie allowance.
+"""Reduced precision is lossless by construction: in bf16 (and int8 / int4 weight-only) every tree node's logits
+are the bits plain decoding computes for that token (`kernels.linear.row_exact`, `kernels.quantized`,
+`model.exact_attention`), so every method, single and batched, gives exactly `ar`'s tokens in that dtype, with no
+near-tie allowance.
 
 Why no allowance: bf16 rounds every layer's output to 8 bits of mantissa, so a last-bit difference grows into
 another token within a few dozen (measured before this: every method left `ar` after 14-75 tokens on Spec-Bench).
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from rasd.decoding.model import exact_attention
-from rasd.decoding.model.kernels import fast_kernels, install
+from rasd.decoding.model.kernels import fast_kernels, install, quantized
 from rasd.decoding.model.kernels.linear import row_exact
 from rasd.decoding.proposers import METHODS, make_proposer
 from rasd.decoding.runtime.engine import GenerationStream, SpeculativeDecoder
@@ -38,21 +39,39 @@ PROMPTS = [random_prompt(12, 3) * 2, random_prompt(30, 4)]
 
 
 @cache
-def bf16_llama(seed: int) -> torch.nn.Module:
-    """`tiny_llama(seed)` as bf16, its own object (the fp32 one is shared by other tests)."""
+def bf16_llama(seed: int, bits: int | None = None) -> torch.nn.Module:
+    """`tiny_llama(seed)` as bf16 (weight-only quantized to `bits`), its own object (the fp32 one is shared by
+    other tests)."""
     with torch.inference_mode(False):
-        return copy.deepcopy(tiny_llama(seed)).to(torch.bfloat16)
+        model = copy.deepcopy(tiny_llama(seed)).to(torch.bfloat16)
+    return model if bits is None else quantized.quantize_model(model, bits)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "bf16-packed", "int8", "int4"])
 @pytest.mark.parametrize("shape", [(96, 64), (64, 160), (1536, 576), (576, 1536)])
-def test_a_row_exact_product_gives_each_row_the_same_bits_at_every_row_count(shape: tuple[int, int]) -> None:
+def test_a_row_exact_product_gives_each_row_the_same_bits_at_every_row_count(shape: tuple[int, int],
+                                                                              kind: str) -> None:
     gen = torch.Generator().manual_seed(0)
-    weight = (torch.randn(shape, generator=gen) * 0.05).bfloat16()
+    module = torch.nn.Linear(shape[1], shape[0], bias=False)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(shape, generator=gen) * 0.05)
+    module = module.bfloat16()
     x = torch.randn(96, shape[1], generator=gen).bfloat16()
-    alone = torch.cat([row_exact(x[r: r + 1], weight, None) for r in range(len(x))])
-    for rows in (2, 3, 5, 8, 16, 33):
-        together = torch.cat([row_exact(x[r: r + rows], weight, None) for r in range(0, len(x), rows)])
-        assert torch.equal(together, alone), f"{rows} rows at a time differ from one at a time"
+    products = {
+        "bf16": lambda rows: row_exact(rows, module.weight, None),
+        "bf16-packed": lambda rows: row_exact(rows, module.weight, None, module),
+        "int8": lambda rows: quantized.product(quantized.quantize_int8(module.weight), rows, None),
+        "int4": lambda rows: quantized.product(quantized.quantize_int4(module.weight), rows, None),
+    }
+    if kind.startswith("int"):   # quantize once
+        q = (quantized.quantize_int8 if kind == "int8" else quantized.quantize_int4)(module.weight)
+        products[kind] = lambda rows: quantized.product(q, rows, None)
+    run = products[kind]
+    with torch.inference_mode():
+        alone = torch.cat([run(x[r: r + 1]) for r in range(len(x))])
+        for rows in (2, 3, 5, 8, 16, 33):
+            together = torch.cat([run(x[r: r + rows]) for r in range(0, len(x), rows)])
+            assert torch.equal(together, alone), f"{kind}: {rows} rows at a time differ from one at a time"
 
 
 def test_exact_attention_plans_paths_from_the_tree_mask() -> None:
@@ -91,12 +110,13 @@ def test_every_node_of_a_branching_tree_gets_plain_decodings_bits() -> None:
             assert torch.equal(logits[node], plain), f"node {node} differs from plain decoding of its path"
 
 
+@pytest.mark.parametrize("bits", [None, 8, 4], ids=["bf16", "int8", "int4"])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_every_method_in_bf16_gives_exactly_ars_tokens(method: str, tmp_path: Path) -> None:
-    target = bf16_llama(0)
+def test_every_method_in_bf16_gives_exactly_ars_tokens(method: str, bits: int | None, tmp_path: Path) -> None:
+    target = bf16_llama(0, bits)
     inputs = inputs_for(METHODS[method], target, tmp_path)
     if "draft_model" in inputs:
-        inputs["draft_model"] = bf16_llama(1)
+        inputs["draft_model"] = bf16_llama(1, bits)
     ours = [SpeculativeDecoder(target, make_proposer(method, **inputs), sizer=FixedSizer(16))
             .generate(p, NEW_TOKENS).token_ids for p in PROMPTS]
     ar = [SpeculativeDecoder(target, make_proposer("ar"), sizer=FixedSizer(16)).generate(p, NEW_TOKENS).token_ids
@@ -104,9 +124,10 @@ def test_every_method_in_bf16_gives_exactly_ars_tokens(method: str, tmp_path: Pa
     assert ours == ar, f"{method} differs from ar in bf16"
 
 
-def test_a_bf16_batch_gives_every_request_exactly_its_own_ar_tokens() -> None:
+@pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "int4"])
+def test_a_bf16_batch_gives_every_request_exactly_its_own_ar_tokens(bits: int | None) -> None:
     """Rows of different lengths (padded cache), a tree per row, chunked prefill riding along."""
-    model = bf16_llama(0)
+    model = bf16_llama(0, bits)
     batch = BatchDecoder(model, chunk_tokens=8)
     requests = [("pld", 40, 0, 29), ("ar", 7, 1, 13), ("draft", 23, 2, 37), ("pld", 35, 3, 20)]
     blocks: dict[int, list[int]] = {}
@@ -121,3 +142,32 @@ def test_a_bf16_batch_gives_every_request_exactly_its_own_ar_tokens() -> None:
         alone = SpeculativeDecoder(model, make_proposer("ar"), sizer=FixedSizer(8)).generate(
             repeating(length, seed), max_new).token_ids
         assert stream.output is not None and stream.output.token_ids == alone == blocks[id(stream)]
+
+
+def test_int4_puts_a_q4_1_grid_back() -> None:
+    """The embedded model's weights are GGUF Q4_1 (per 32: scale d, minimum m, w = d * q + m, q in 0..15):
+    int4 with groups of 32 recovers every q, so the weights equal the originals up to rounding d and m to bf16."""
+    gen = torch.Generator().manual_seed(1)
+    d = (torch.rand(64, 4, 1, generator=gen) * 0.01 + 0.001).bfloat16().float()
+    m = (-torch.rand(64, 4, 1, generator=gen) * 0.05).bfloat16().float()
+    q = torch.randint(0, 16, (64, 4, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15                       # Q4_1 blocks span their grid (min and max are on it)
+    weight = (d * q + m).reshape(64, 128)
+    packed = quantized.quantize_int4(weight)
+    eye = torch.eye(128).bfloat16()
+    with torch.inference_mode():
+        back = quantized.product(packed, eye, None).float().t()   # [out, in]: the dequantized weights
+    assert torch.allclose(back, weight, atol=2e-3, rtol=1e-2), float((back - weight).abs().max())
+
+
+def test_quantized_weights_stay_close_to_the_originals() -> None:
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(96, 128, generator=gen) * 0.05
+    x = torch.randn(16, 128, generator=gen)
+    exact = x @ weight.t()
+    with torch.inference_mode():
+        for bits, tol in ((8, 0.02), (4, 0.12)):
+            q = (quantized.quantize_int8 if bits == 8 else quantized.quantize_int4)(weight)
+            got = quantized.product(q, x, None).float()
+            rel = float((got - exact).norm() / exact.norm())
+            assert rel < tol, f"int{bits}: relative error {rel:.3f}"

@@ -34,6 +34,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE_MARKER = "rasd-converted.json"
 
 AUTO = "auto"   # --dtype auto: measured per machine (`precision`)
+WEIGHT_ONLY = {"int8": 8, "int4": 4}   # bf16 activations, weights read as 8 / 4 bits (`kernels.quantized`)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -84,8 +85,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     `load_model`, before this)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype in WEIGHT_ONLY:
+        return torch.bfloat16   # the activations' dtype; the weights are read quantized
     if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto or one of {', '.join(sorted(DTYPES))}")
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto, int8, int4 or one of {', '.join(sorted(DTYPES))}")
     return DTYPES[dtype]
 
 
@@ -179,6 +182,8 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | torc
         raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
     if isinstance(dtype, str) and dtype == AUTO:
         return _load_auto(name, device, attn_implementation, graphs)
+    if isinstance(dtype, str) and dtype in WEIGHT_ONLY:
+        return _load_weight_only(name, device, dtype, attn_implementation, graphs)
     torch_dtype = resolve_dtype(dtype)
     path = str(default_model_path()) if name == DEFAULT_MODEL else name
     if name != DEFAULT_MODEL and not Path(name).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
@@ -194,6 +199,22 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | torc
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, device=device,
                        dtype=str(torch_dtype).removeprefix("torch."), graphs=graphs)
+
+
+def _load_weight_only(name: str, device: str, dtype: str, attn_implementation: str, graphs: bool) -> LoadedModel:
+    """`--dtype int8|int4`: the model in bf16 with its decoder and LM-head products weight-only quantized
+    (`kernels.quantized`); CPU only (torch's kernels for them are CPU ones)."""
+    from rasd.decoding.model.kernels.quantized import quantize_model
+
+    if not device.startswith("cpu"):
+        raise ModelLoadError(f"--dtype {dtype} runs on the CPU only; on {device} use bfloat16")
+    loaded = load_model(name, device, "bfloat16", attn_implementation, graphs)
+    try:
+        quantize_model(loaded.model, WEIGHT_ONLY[dtype])
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    loaded.dtype = dtype
+    return loaded
 
 
 def _load_auto(name: str, device: str, attn_implementation: str, graphs: bool) -> LoadedModel:

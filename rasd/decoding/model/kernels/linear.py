@@ -31,6 +31,8 @@ from rasd.decoding.model.kernels.forms import (
     unpacked,
 )
 from rasd.decoding.model.kernels.mode import fast_enabled, tuned_products
+from rasd.decoding.model.kernels.quantized import QUANTIZED
+from rasd.decoding.model.kernels.quantized import product as quantized_product
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")   # parts that read the same input
 
@@ -99,7 +101,11 @@ def row_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`F.linear`, or on CPU inside `fast_kernels()` for 1-64 rows, the form measured fastest for M; a reduced-
-    precision target's products there are row-exact (`row_exact`)."""
+    precision target's products there are row-exact (`row_exact`); a quantized one's take its quantized weight in
+    every path (`quantized`)."""
+    found = QUANTIZED.get(self)
+    if found is not None and x.device.type == "cpu":
+        return quantized_product(found, x, self.bias)
     if (self.weight.dtype in REDUCED and x.device.type == "cpu" and fast_enabled() and x.dim() >= 2
             and not LINEARS.approximate(self)):
         return row_exact(x, self.weight, self.bias, self)
