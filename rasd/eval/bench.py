@@ -189,6 +189,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             "skipped_prompts": max(len(items) - len(prompts), 0)}
     results, records = run_benchmark(target, prompts, config, draft, meta)
     print(format_table(results))
+    if "hf" in methods and sampling.temperature == 0:
+        from rasd.eval.near_ties import divergences, format_divergences
+
+        results["divergences_from_hf"] = divergences(target.model, prompts, records)
+        print(format_divergences(results["divergences_from_hf"]))
     _write_outputs(args, results, records, target)
     return 0
 

@@ -12,12 +12,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rasd.eval import bench, runners
 from rasd.eval.aggregate import aggregate, build_results, match_rate, summarize_group
 from rasd.eval.bench import BenchConfig, parse_methods
 from rasd.eval.bench_output import format_table, plot_speedups, write_answers
 from rasd.eval.datasets import BenchItem, BenchPrompt, fit_prompt, load_items, parse_record, prepare_prompts
+from rasd.eval.near_ties import divergences, first_difference, format_divergences
 from rasd.eval.runners import RunRecord, SamplingConfig, rotated
 from rasd.text import as_id_list, encode_prompt
 
@@ -419,8 +421,9 @@ def test_end_to_end_engine_methods_match_hf_greedy(tiny_target, tmp_path):
     prompts = _e2e_prompts(tiny_target.tokenizer)
     config = BenchConfig(["ar", "hf", "pld"], max_new_tokens=16, progress=False)
     results, records = bench.run_benchmark(tiny_target, prompts, config)
-    assert results["greedy_reference"] == "hf"
-    for name in ("ar", "pld"):
+    assert results["greedy_reference"] == "ar"
+    assert divergences(tiny_target.model, prompts, records) == [], "fp32: every method equals HF here"
+    for name in ("hf", "pld"):
         entry = results["methods"][name]
         assert entry["greedy_match_rate"] == 1.0, name
         assert entry["tokens_per_s"] > 0 and entry["speedup_vs_hf"] > 0
@@ -452,3 +455,20 @@ def test_cli_on_the_embedded_model_and_spec_bench(tmp_path, capsys):
     assert set(results["methods"]["pld"]["per_category"]) == {"rag", "translation"}
     assert len(answers.read_text().splitlines()) == 8 and plot.stat().st_size > 1000
     assert "overall" in capsys.readouterr().out
+
+
+def test_a_divergence_from_hf_is_reported_with_hfs_top2_gap_there(tiny_target):
+    """A record that leaves HF's tokens is listed at its first different token with HF's own top-2 logit gap at
+    that point (a plain forward of the prompt and HF's tokens so far); equal or merely shorter records are not."""
+    prompts = _e2e_prompts(tiny_target.tokenizer)
+    ref = [5, 6, 7, 8]
+    recs = [record("hf", 0, "qa", ref, 1.0, 4, 1.0), record("pld", 0, "qa", [5, 6, 9, 8], 1.0, 2, 2.0),
+            record("ar", 0, "qa", ref[:3], 1.0, 3, 1.0)]
+    rows = divergences(tiny_target.model, prompts, recs)
+    assert [(r["method"], r["position"], r["ours"], r["reference"]) for r in rows] == [("pld", 2, 9, 7)]
+    with torch.inference_mode():
+        logits = tiny_target.model(torch.tensor([prompts[0].input_ids + ref[:2]])).logits[0, -1]
+    top = logits.float().topk(2).values
+    assert rows[0]["reference_top2_gap"] == pytest.approx(float(top[0] - top[1]))
+    assert "pld" in format_divergences(rows) and "equals hf" in format_divergences([])
+    assert first_difference([1, 2], [1, 2]) is None and first_difference([1], [1, 2]) == 1

@@ -1,0 +1,67 @@
+"""Where a method's greedy output leaves HF `generate`'s, and how close HF's own top two logits were there.
+
+Why: in the same dtype our engine and HF compute the same model with other kernels (a packed product, float32
+attention on the CPU, a lean forward), so their last bits differ; where HF's two best next tokens are that close,
+either pick is the model's greedy answer. A divergence at a wide gap would be a bug. `rasd bench` reports each
+divergence (prompt, position, HF's top-2 gap there) instead of a bare match rate, so a reader can judge which is
+which; exactness within our engine is the separate match against `ar`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rasd.eval.datasets import BenchPrompt
+from rasd.eval.runners import RunRecord
+
+
+def first_difference(ours: Sequence[int], ref: Sequence[int]) -> int | None:
+    """The first position where the two differ (a shorter one that is a prefix differs at its end); None if equal."""
+    for i, (a, b) in enumerate(zip(ours, ref, strict=False)):
+        if a != b:
+            return i
+    return None if len(ours) == len(ref) else min(len(ours), len(ref))
+
+
+@torch.inference_mode()
+def top2_gap(model: torch.nn.Module, ids: Sequence[int]) -> float:
+    """HF's own forward (no cache): the gap between its two largest next-token logits after `ids`."""
+    device = next(model.parameters()).device
+    logits = model(torch.tensor([list(ids)], device=device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def divergences(model: torch.nn.Module, prompts: Sequence[BenchPrompt], records: Sequence[RunRecord],
+                reference: str = "hf") -> list[dict[str, Any]]:
+    """Every record whose tokens differ from `reference`'s on the same prompt: where, and HF's top-2 gap there."""
+    refs = {r.index: r for r in records if r.method == reference}
+    by_index = {p.index: p for p in prompts}
+    out = []
+    for record in records:
+        ref = refs.get(record.index)
+        if record.method == reference or ref is None:
+            continue
+        first = first_difference(record.token_ids, ref.token_ids)
+        if first is None or first >= min(len(record.token_ids), len(ref.token_ids)):
+            continue   # equal, or one stopped earlier (a length, not a token, differs)
+        gap = top2_gap(model, by_index[record.index].input_ids + ref.token_ids[:first])
+        out.append({"method": record.method, "question_id": record.question_id, "category": record.category,
+                    "position": first, "ours": record.token_ids[first], "reference": ref.token_ids[first],
+                    "reference_top2_gap": gap})
+    return out
+
+
+def format_divergences(rows: Sequence[dict[str, Any]], reference: str = "hf") -> str:
+    """Lines for the terminal: one per divergence, widest gap first."""
+    if not rows:
+        return f"every greedy output equals {reference}'s"
+    lines = [f"divergences from {reference} (position of the first different token; {reference}'s top-2 logit gap "
+             "there: a near-tie when small next to the dtype's resolution):"]
+    for row in sorted(rows, key=lambda r: -r["reference_top2_gap"]):
+        lines.append(f"  {row['method']:<10} {row['category']}#{row['question_id']} token {row['position']}: "
+                     f"gap {row['reference_top2_gap']:.4g}")
+    return "\n".join(lines)
