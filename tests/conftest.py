@@ -40,9 +40,10 @@ def rasd_home_for_tests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
         (home / part).symlink_to(real / part, target_is_directory=True)
     os.environ["RASD_HOME"] = str(home)
     # `--dtype auto` (the CLI and service default) takes fp32 in tests whatever the CPU: outputs compared with
-    # fp32 references stay machine-independent; bf16 is tested where asked for (test_row_exact, test_precision)
-    native_before = os.environ.get("RASD_NATIVE_BF16")
-    os.environ["RASD_NATIVE_BF16"] = "0"
+    # fp32 references stay machine-independent; bf16 / int4 are tested where asked for (test_row_exact,
+    # test_precision)
+    native_before = os.environ.get("RASD_DTYPE_CANDIDATES")
+    os.environ["RASD_DTYPE_CANDIDATES"] = "float32"
     try:
         yield home
     finally:
@@ -51,9 +52,9 @@ def rasd_home_for_tests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
         else:
             os.environ["RASD_HOME"] = before
         if native_before is None:
-            os.environ.pop("RASD_NATIVE_BF16", None)
+            os.environ.pop("RASD_DTYPE_CANDIDATES", None)
         else:
-            os.environ["RASD_NATIVE_BF16"] = native_before
+            os.environ["RASD_DTYPE_CANDIDATES"] = native_before
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -30,6 +30,12 @@ class Loads:
         return LoadedModel(model=model, tokenizer=None, name="tiny", device="cpu", dtype=dtype)
 
 
+@pytest.fixture(autouse=True)
+def measured_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite pins `auto` to float32 (conftest); these tests choose among the real candidates."""
+    monkeypatch.delenv("RASD_DTYPE_CANDIDATES", raising=False)
+
+
 @pytest.fixture
 def native(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RASD_NATIVE_BF16", "1")
@@ -51,11 +57,11 @@ def test_a_machine_without_native_bf16_runs_float32_without_measuring(monkeypatc
 
 @pytest.mark.usefixtures("native")
 def test_bf16_is_chosen_when_exact_and_faster_and_the_choice_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    stub_timings(monkeypatch, {"float32": (10.0, False), "bfloat16": (6.0, True)})
+    stub_timings(monkeypatch, {"float32": (10000.0, False), "bfloat16": (6000.0, True)})
     loads = Loads()
     first = precision.choose("tiny-faster", "cpu", loads)
-    assert first.dtype == "bfloat16" and first.step_ms == {"float32": 10.0, "bfloat16": 6.0}
-    assert "bfloat16 6.0 ms" in first.reason and loads.asked == ["float32", "bfloat16"]
+    assert first.dtype == "bfloat16" and first.step_ms == {"float32": 10000.0, "bfloat16": 6000.0}
+    assert "bfloat16 6.00 s" in first.reason and loads.asked == ["float32", "bfloat16"]
     again = precision.choose("tiny-faster", "cpu", loads)
     assert again == first and loads.asked == ["float32", "bfloat16"], "read from the machine's file, not measured"
 
@@ -82,7 +88,26 @@ def test_an_unknown_dtype_is_a_one_line_error_before_loading() -> None:
 
 
 def test_load_model_auto_says_what_it_chose(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    monkeypatch.setenv("RASD_NATIVE_BF16", "0")
+    monkeypatch.setenv("RASD_DTYPE_CANDIDATES", "float32")
     loaded = load_model("default", dtype="auto")
-    assert loaded.dtype == "float32" and "no native bf16" in loaded.dtype_reason
+    assert loaded.dtype == "float32" and "the only candidate" in loaded.dtype_reason
     assert "rasd: dtype float32" in capsys.readouterr().err
+
+
+def test_the_embedded_model_also_weighs_int4_and_a_users_model_is_never_quantized_unasked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RASD_NATIVE_BF16", "0")
+    assert precision.candidates("cpu", "default") == ["float32", "int4"]
+    assert precision.candidates("cpu", "HuggingFaceTB/SmolLM2-360M") == ["float32"]
+    monkeypatch.setenv("RASD_NATIVE_BF16", "1")
+    assert precision.candidates("cpu", "default") == ["float32", "bfloat16", "int4"]
+    monkeypatch.setenv("RASD_DTYPE_CANDIDATES", "float32,int8")
+    assert precision.candidates("cpu", "default") == ["float32", "int8"]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_the_real_check_finds_weight_only_dtypes_exact(dtype: str) -> None:
+    from rasd.decoding.model.kernels.quantized import quantize_model
+
+    model = quantize_model(Loads()("bfloat16").model, int(dtype[3:]))
+    assert precision._time_and_check(model)[1]

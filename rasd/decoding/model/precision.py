@@ -1,15 +1,21 @@
 """Which dtype a target runs in on this machine (`--dtype auto`): measured, not assumed.
 
 Why measured: a decoding step of a small model streams every weight once, so fewer bytes per weight is most of
-the speed; but bf16 is only fast where the device computes it natively (AVX512-BF16 or AMX CPUs, CUDA), and a
-dtype is only usable here if speculative decoding in it reproduces plain decoding in it token for token, which
-needs every tree node computed bit for bit as plain decoding computes it (`fast_forward.row_exact`). So `auto`
-lists the candidates the device can run natively, times a plain step and an 8-node tree step of the real model
-in each, checks that the tree's logits equal the sequential steps' bit for bit, and keeps the fastest exact one
-(fp32, the reference precision, is always a candidate). The choice is kept per machine, model and thread count
-in `$RASD_HOME/precision/<machine>.json`, so the next process reads it instead of measuring again.
+the speed; but bf16 is only fast where the device computes it natively (AVX512-BF16 or AMX CPUs, CUDA), a
+quantized kernel's speed depends on the CPU, and a dtype is only usable if speculative decoding in it reproduces
+plain decoding in it token for token, which needs every tree node computed bit for bit as plain decoding computes
+it (`fast_forward.row_exact`). So `auto` lists the candidates, times a typical request in each (a 512-token
+prefill, then plain steps and 8-node tree steps), checks that a tree's logits equal the sequential steps' bit for
+bit, and keeps the fastest exact one (fp32, the reference precision, is always a candidate and wins ties within
+5%). The choice is kept per machine, model and thread count in `$RASD_HOME/precision/<machine>.json`, so the next
+process reads it instead of measuring again.
 
-`RASD_NATIVE_BF16=0|1` overrides the device check (a test forcing a machine without native bf16).
+The candidates: fp32; bf16 where native; and for the embedded model, whose weights are 4-bit by origin (its
+GGUF is Q4_1), int4 weight-only (`kernels.quantized`: the same grid, bf16 activations). A user's own model is
+never quantized unless asked (`--dtype int8|int4`).
+
+`RASD_DTYPE_CANDIDATES=float32,...` replaces the list (the test suite pins float32); `RASD_NATIVE_BF16=0|1`
+overrides the device check (a test forcing a machine without native bf16).
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ from rasd.paths import rasd_home, slug
 AUTO = "auto"
 REFERENCE = "float32"
 PROBE_VERSION = 1            # bump when what is timed or checked changes what wins
-CONTEXT_TOKENS = 256         # the probe's prompt: a typical short request's context
+CONTEXT_TOKENS = 512         # the probe's prompt: a typical document-QA request's context
 TREE_NODES = 8               # the tree step timed beside a plain one (a chain: every node's path in place)
-ROUNDS = 7                   # timed repetitions (the median is kept)
+STEPS = 64                   # a typical answer's decoding steps, half plain and half 8-node trees
+ROUNDS = 7                   # timed repetitions of the steps (the median is kept)
 MARGIN = 0.95                # a candidate must beat fp32 by 5% to be chosen over it
 
 
@@ -44,7 +51,7 @@ class DtypeChoice:
 
     dtype: str                                               # the dtype the model runs in
     reason: str                                              # one line for a person
-    step_ms: dict[str, float] = field(default_factory=dict)  # candidate -> plain step + 8-node tree step (median)
+    step_ms: dict[str, float] = field(default_factory=dict)  # candidate -> ms of a typical request (`_time_and_check`)
     exact: dict[str, bool] = field(default_factory=dict)     # candidate -> tree logits == sequential steps'
 
     def to_json(self) -> dict[str, Any]:
@@ -62,18 +69,30 @@ def native_bf16(device: str) -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 
 
-def candidates(device: str) -> list[str]:
-    """The dtypes worth timing on `device`: fp32 always, bf16 where it is native."""
-    return [REFERENCE, "bfloat16"] if native_bf16(device) else [REFERENCE]
+def candidates(device: str, name: str = "") -> list[str]:
+    """The dtypes worth timing for model `name` on `device`: fp32 always, bf16 where it is native, int4 for the
+    embedded model on a CPU whose torch has the kernel (`RASD_DTYPE_CANDIDATES` replaces the list)."""
+    forced = os.environ.get("RASD_DTYPE_CANDIDATES")
+    if forced:
+        return [d.strip() for d in forced.split(",") if d.strip()]
+    from rasd.decoding.model.kernels.quantized import available
+    from rasd.paths import DEFAULT_MODEL
+
+    found = [REFERENCE] + (["bfloat16"] if native_bf16(device) else [])
+    if name == DEFAULT_MODEL and device.startswith("cpu") and available(4):
+        found.append("int4")
+    return found
 
 
 def choose(name: str, device: str, load: Callable[[str], Any]) -> DtypeChoice:
     """The dtype for model `name` on `device`: read from this machine's file, else measured and saved there.
 
     `load(dtype)` returns a `LoadedModel` in that dtype (the caller's loader, so a test can pass its own)."""
-    options = candidates(device)
-    if options == [REFERENCE]:
-        return DtypeChoice(REFERENCE, f"{device} has no native bf16: float32")
+    options = candidates(device, name)
+    if len(options) == 1:
+        why = ("the only candidate (RASD_DTYPE_CANDIDATES)" if os.environ.get("RASD_DTYPE_CANDIDATES")
+               else f"{device} has no native bf16")
+        return DtypeChoice(options[0], f"{options[0]}: {why}")
     key = _key(name, device, options)
     known = _read(key)
     if known is not None:
@@ -99,17 +118,19 @@ def measure(options: list[str], load: Callable[[str], Any]) -> DtypeChoice:
 
 
 def _reason(best: str, step_ms: dict[str, float], exact: dict[str, bool]) -> str:
-    """One line: the chosen dtype, the step times, and any candidate left out for not being exact."""
-    times = ", ".join(f"{d} {ms:.1f} ms" for d, ms in step_ms.items())
+    """One line: the chosen dtype, the request times, and any candidate left out for not being exact."""
+    times = ", ".join(f"{d} {ms / 1000:.2f} s" for d, ms in step_ms.items())
     inexact = [d for d, ok in exact.items() if d != REFERENCE and not ok]
     why = f"; {', '.join(inexact)} not exact against its own plain decoding here" if inexact else ""
-    return f"{best}: fastest exact dtype (plain + 8-node tree step: {times}){why}"
+    return (f"{best}: the fastest exact dtype here (a {CONTEXT_TOKENS}-token prompt and {STEPS} steps: "
+            f"{times}){why}")
 
 
 @torch.inference_mode()
 def _time_and_check(model: torch.nn.Module) -> tuple[float, bool]:
-    """(median ms of one plain step plus one 8-node chain step after a 256-token prompt, whether the chain's
-    logits equal the sequential plain steps' bit for bit). Runs the engine's own forward (`fast_kernels`)."""
+    """(ms of a typical request: a `CONTEXT_TOKENS` prefill, then `STEPS` steps, half plain and half 8-node
+    chains, each step's time the median of `ROUNDS`; whether the chain's logits equal the sequential plain
+    steps' bit for bit). Runs the engine's own forward (`fast_kernels`)."""
     from rasd.decoding.model import fast_forward
     from rasd.decoding.model.kernels import fast_kernels, install, prefill_products
     from rasd.decoding.step.cache import TreeCache
@@ -121,27 +142,29 @@ def _time_and_check(model: torch.nn.Module) -> tuple[float, bool]:
     vocab = int(model.config.vocab_size)
     prompt = torch.randint(0, vocab, (1, CONTEXT_TOKENS), generator=gen)
     chain = torch.randint(0, vocab, (TREE_NODES,), generator=gen).tolist()
-
-    def prefilled() -> TreeCache:
-        cache = TreeCache.for_model(model)
-        with prefill_products():
-            fast_forward.forward(model, cache, prompt, torch.arange(CONTEXT_TOKENS)[None], last_only=True)
-        return cache
-
     with fast_kernels(True):
-        cache = prefilled()
+        prefill_s = []
+        for _ in range(2):   # the first warms the kernels up
+            cache = TreeCache.for_model(model)
+            t0 = time.perf_counter()
+            with prefill_products():
+                fast_forward.prefill(model, cache, prompt)
+            prefill_s.append(time.perf_counter() - t0)
         sequential = [tree_forward(model, cache, DraftTree.root_only(t))[0] for t in chain]
         tree = DraftTree.chain(chain[0], chain[1:], "probe")
-        times = []
+        plain, trees = [], []
         for _ in range(ROUNDS):
             cache.crop(-(cache.get_seq_length() - CONTEXT_TOKENS))
             t0 = time.perf_counter()
             tree_forward(model, cache, DraftTree.root_only(chain[0]))
+            plain.append(time.perf_counter() - t0)
             cache.crop(-1)
+            t0 = time.perf_counter()
             logits = tree_forward(model, cache, tree)
-            times.append(time.perf_counter() - t0)
+            trees.append(time.perf_counter() - t0)
     exact = all(torch.equal(logits[i], sequential[i]) for i in range(TREE_NODES))
-    return statistics.median(times) * 1000, exact
+    request = prefill_s[-1] + STEPS / 2 * (statistics.median(plain) + statistics.median(trees))
+    return request * 1000, exact
 
 
 # ---------------------------------------------------------------------- this machine's file
