@@ -109,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep only this category (or LongBench dataset); repeatable")
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma list (default {DEFAULT_METHODS}); METHOD:KEY=VALUE runs a method with an "
-                             "option changed beside the plain one, e.g. rasd:history=off")
+                             "option changed beside the plain one, e.g. rasd:history=off; METHOD:dtype=D runs it on "
+                             "the target in dtype D, e.g. rasd:dtype=float32 beside rasd in the auto dtype")
     parser.add_argument("--limit", type=int, default=None, help="prompts per category")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=None,
@@ -150,10 +151,14 @@ def _validate(args: argparse.Namespace, methods: list[str]) -> None:
         raise ValueError("method hf-assisted needs --draft-model")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
+    from rasd.decoding.model.loading import check_dtype
     from rasd.decoding.proposers.registry import METHODS, method_variant
-    from rasd.eval.runners import HF_METHODS
+    from rasd.eval.runners import HF_METHODS, split_dtype
 
-    for name in methods:   # a misspelt method, option key or value fails now, not after the model has loaded
+    for full in methods:   # a misspelt method, option key or value fails now, not after the model has loaded
+        name, dtype = split_dtype(full)
+        if dtype is not None:
+            check_dtype(dtype)
         if name not in HF_METHODS:
             try:
                 method_variant(name)

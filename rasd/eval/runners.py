@@ -320,10 +320,60 @@ class EngineRunner:
 
 def make_runner(name: str, target: LoadedModel, sampling: SamplingConfig,
                 draft: LoadedModel | None = None) -> Runner:
-    """HF baselines by name; every other name is one of our engine's methods."""
-    if name in HF_METHODS:
-        return HFRunner(name, target, sampling, draft)
-    return EngineRunner(name, target, sampling, draft)
+    """HF baselines by name; every other name is one of our engine's methods. `METHOD:dtype=D` runs the method on
+    the target loaded in dtype D (`rasd:dtype=float32` beside `rasd`), its records under the full name."""
+    base, dtype = split_dtype(name)
+    if dtype is not None and dtype != target.dtype:
+        runner = make_runner(base, target_in(target, dtype), sampling, draft)
+        return DtypeVariant(name, runner)
+    if base in HF_METHODS:
+        return HFRunner(base, target, sampling, draft)
+    return EngineRunner(base, target, sampling, draft)
+
+
+def split_dtype(name: str) -> tuple[str, str | None]:
+    """`rasd:dtype=float32;history=off` -> ("rasd:history=off", "float32"); the dtype is the bench's, not the
+    method's."""
+    method, sep, rest = name.partition(":")
+    if not sep:
+        return name, None
+    dtype, kept = None, []
+    for pair in filter(None, rest.split(";")):
+        key, _, value = pair.partition("=")
+        if key == "dtype":
+            dtype = value
+        else:
+            kept.append(pair)
+    return (f"{method}:{';'.join(kept)}" if kept else method), dtype
+
+
+_TARGETS: dict[tuple[str, str, str], LoadedModel] = {}
+
+
+def target_in(target: LoadedModel, dtype: str) -> LoadedModel:
+    """The same model in another dtype, loaded once per bench process."""
+    from rasd.decoding.model.loading import load_model
+
+    key = (target.name, target.device, dtype)
+    if key not in _TARGETS:
+        _TARGETS[key] = load_model(target.name, device=target.device, dtype=dtype, graphs=target.graphs)
+    return _TARGETS[key]
+
+
+class DtypeVariant:
+    """A runner on the target in another dtype whose records carry the variant's full name."""
+
+    def __init__(self, name: str, inner: Runner) -> None:
+        self.name = name
+        self.inner = inner
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> RunRecord:
+        record = self.inner.run(prompt_ids, max_new_tokens, seed)
+        record.method = self.name
+        return record
 
 
 def rotated(seq: Sequence[Runner], shift: int) -> list[Runner]:

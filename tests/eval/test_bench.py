@@ -6,6 +6,7 @@ a tiny BPE tokenizer trained on the spot, so it needs neither the network nor th
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import importlib.util
 import json
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rasd.decoding.model.loading import ModelLoadError
 from rasd.eval import bench, runners
 from rasd.eval.aggregate import aggregate, build_results, match_rate, summarize_group
 from rasd.eval.bench import BenchConfig, parse_methods
@@ -472,3 +474,33 @@ def test_a_divergence_from_hf_is_reported_with_hfs_top2_gap_there(tiny_target):
     assert rows[0]["reference_top2_gap"] == pytest.approx(float(top[0] - top[1]))
     assert "pld" in format_divergences(rows) and "equals hf" in format_divergences([])
     assert first_difference([1, 2], [1, 2]) is None and first_difference([1], [1, 2]) == 1
+
+
+def test_a_dtype_variant_runs_the_method_on_the_target_in_that_dtype(tiny_target):
+    """`ar:dtype=bfloat16` beside `ar`: its own target in bf16, its records under the full name, and a bad dtype
+    or key is refused before any work."""
+    from rasd.eval.runners import split_dtype
+
+    assert split_dtype("rasd:dtype=float32;history=off") == ("rasd:history=off", "float32")
+    assert split_dtype("pld") == ("pld", None)
+    runners._TARGETS[(tiny_target.name, "cpu", "bfloat16")] = _bf16_copy(tiny_target)
+    prompts = _e2e_prompts(tiny_target.tokenizer)
+    config = BenchConfig(["ar", "ar:dtype=bfloat16", "pld:dtype=bfloat16"], max_new_tokens=8, progress=False)
+    results, records = bench.run_benchmark(tiny_target, prompts, config)
+    assert {r.method for r in records} == {"ar", "ar:dtype=bfloat16", "pld:dtype=bfloat16"}
+    bf16 = {r.index: r.token_ids for r in records if r.method == "ar:dtype=bfloat16"}
+    assert all(r.token_ids == bf16[r.index] for r in records if r.method == "pld:dtype=bfloat16")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--dataset", "x.jsonl", "--methods", "ar:dtype=float8"])
+    with pytest.raises(ModelLoadError, match="float8"):
+        bench._validate(args, ["ar:dtype=float8"])
+
+
+def _bf16_copy(loaded):
+    import copy
+    import dataclasses
+
+    with torch.inference_mode(False):
+        model = copy.deepcopy(loaded.model).to(torch.bfloat16)
+    return dataclasses.replace(loaded, model=model, dtype="bfloat16")
