@@ -32,6 +32,7 @@ from rasd.decoding.model.kernels.forms import (
 )
 from rasd.decoding.model.kernels.mode import fast_enabled, tuned_products
 from rasd.decoding.model.kernels.quantized import QUANTIZED
+from rasd.decoding.model.kernels.quantized import STACKS as QUANT_STACKS
 from rasd.decoding.model.kernels.quantized import product as quantized_product
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")   # parts that read the same input
@@ -235,7 +236,13 @@ def projections(owner: torch.nn.Module, names: tuple[str, ...], x: torch.Tensor)
     Why: a tree step's products stream weights for a few rows, and each one more costs its own call and its
     threads' start. A row's result is the same dot products in another blocking: differences like the tuned
     forms' (~1e-5 in the logits), none at all in a prompt's forward, which never stacks (`prefill_products`, so a
-    prefix hit keeps a whole prefill's bits)."""
+    prefix hit keeps a whole prefill's bits). A weight-only quantized model's parts are stacked in every path
+    (`quantized.STACKS`): its kernel's columns do not depend on their neighbours, so stacked and apart give the
+    same bits."""
+    stacked = QUANT_STACKS.get(owner) if x.device.type == "cpu" else None
+    if stacked is not None and names in stacked:
+        packed, sizes = stacked[names]
+        return quantized_product(packed, x, None).split(sizes, dim=-1)
     fused = (LINEARS.stacks.get(owner) if x.device.type == "cpu" and tuned_products() and not torch.is_grad_enabled()
              else None)   # under gradients the parts' own products: the stacked weight carries none
     if fused is not None and fused.names == names and fused.holds(owner):

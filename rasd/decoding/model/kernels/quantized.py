@@ -37,6 +37,11 @@ class Quantized:
 
 
 QUANTIZED: weakref.WeakKeyDictionary[torch.nn.Module, Quantized] = weakref.WeakKeyDictionary()
+# attention / MLP -> {part names: (their weights stacked and quantized, output sizes)}: one product instead of
+# three (q, k, v) or two (gate, up) in the lean forward (`linear.projections`); bit for bit the parts' products
+STACKS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[str, ...], tuple[Quantized, list[int]]]] = \
+    weakref.WeakKeyDictionary()
+PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def available(bits: int) -> bool:
@@ -103,6 +108,12 @@ def quantize_model(model: torch.nn.Module, bits: int) -> torch.nn.Module:
     for module in targets(model):
         QUANTIZED[module] = make(module.weight)
         module.forward = types.MethodType(_linear_forward, module)
+    for owner in model.modules():
+        for names in PARTS:
+            parts = [getattr(owner, n, None) for n in names]
+            if all(isinstance(p, torch.nn.Linear) and p.bias is None for p in parts):
+                weight = torch.cat([p.weight.detach() for p in parts])
+                STACKS.setdefault(owner, {})[names] = (make(weight), [int(p.weight.shape[0]) for p in parts])
     return model
 
 
