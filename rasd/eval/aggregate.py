@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rasd.eval.runners import RunRecord
+from rasd.eval.runners import RunRecord, split_dtype
 
 if TYPE_CHECKING:
     pass
@@ -69,6 +69,16 @@ def greedy_reference(methods: Sequence[str], greedy: bool) -> str | None:
     return None
 
 
+def reference_for(name: str, methods: Sequence[str], reference: str | None) -> str | None:
+    """A dtype variant (`rasd:dtype=float32`) is matched with `ar` in its own dtype (`ar:dtype=float32`) when that
+    ran: same output is promised within one dtype."""
+    dtype = split_dtype(name)[1]
+    if reference is None or dtype is None:
+        return reference
+    own = f"{reference}:dtype={dtype}"
+    return own if own in methods else reference
+
+
 def _by_method(records: Sequence[RunRecord]) -> dict[str, dict[int, RunRecord]]:
     out: dict[str, dict[int, RunRecord]] = {}
     for r in records:
@@ -99,8 +109,9 @@ def aggregate(records: Sequence[RunRecord], methods: Sequence[str], greedy: bool
     out: dict[str, Any] = {}
     for name in methods:
         mine = [r for r in records if r.method == name]
-        entry = _group_summary(mine, by_method, reference)
-        entry["per_category"] = {c: _group_summary([r for r in mine if r.category == c], by_method, reference)
+        own = reference_for(name, methods, reference)
+        entry = _group_summary(mine, by_method, own)
+        entry["per_category"] = {c: _group_summary([r for r in mine if r.category == c], by_method, own)
                                  for c in categories}
         out[name] = entry
     _add_speedups(out)

@@ -9,13 +9,14 @@ which; exactness within our engine is the separate match against `ar`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from rasd.eval.datasets import BenchPrompt
-from rasd.eval.runners import RunRecord
+from rasd.eval.runners import RunRecord, split_dtype
 
 
 def first_difference(ours: Sequence[int], ref: Sequence[int]) -> int | None:
@@ -27,12 +28,17 @@ def first_difference(ours: Sequence[int], ref: Sequence[int]) -> int | None:
 
 
 @torch.inference_mode()
-def top2_gap(model: torch.nn.Module, ids: Sequence[int]) -> float:
-    """HF's own forward (no cache): the gap between its two largest next-token logits after `ids`."""
+def top2_gap(model: torch.nn.Module, ids: Sequence[int]) -> tuple[float, float]:
+    """HF's own forward (no cache): the gap between its two largest next-token logits after `ids`, and that gap in
+    units of the logits' resolution there (the spacing of their dtype at the top logit: a bf16 logit near 20 moves
+    in steps of 0.125, so a gap of one or two steps is a tie that rounding decides)."""
     device = next(model.parameters()).device
-    logits = model(torch.tensor([list(ids)], device=device)).logits[0, -1].float()
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
+    raw = model(torch.tensor([list(ids)], device=device)).logits[0, -1]
+    top = raw.float().topk(2).values
+    gap = float(top[0] - top[1])
+    magnitude = max(abs(float(top[0])), torch.finfo(raw.dtype).tiny)
+    spacing = torch.finfo(raw.dtype).eps * 2.0 ** math.floor(math.log2(magnitude))
+    return gap, gap / spacing
 
 
 def divergences(model: torch.nn.Module, prompts: Sequence[BenchPrompt], records: Sequence[RunRecord],
@@ -43,15 +49,15 @@ def divergences(model: torch.nn.Module, prompts: Sequence[BenchPrompt], records:
     out = []
     for record in records:
         ref = refs.get(record.index)
-        if record.method == reference or ref is None:
-            continue
+        if record.method == reference or ref is None or split_dtype(record.method)[1] is not None:
+            continue   # a method in another dtype (`rasd:dtype=float32`) is not HF's computation
         first = first_difference(record.token_ids, ref.token_ids)
         if first is None or first >= min(len(record.token_ids), len(ref.token_ids)):
             continue   # equal, or one stopped earlier (a length, not a token, differs)
-        gap = top2_gap(model, by_index[record.index].input_ids + ref.token_ids[:first])
+        gap, steps = top2_gap(model, by_index[record.index].input_ids + ref.token_ids[:first])
         out.append({"method": record.method, "question_id": record.question_id, "category": record.category,
                     "position": first, "ours": record.token_ids[first], "reference": ref.token_ids[first],
-                    "reference_top2_gap": gap})
+                    "reference_top2_gap": gap, "reference_top2_gap_steps": steps})
     return out
 
 
@@ -59,9 +65,10 @@ def format_divergences(rows: Sequence[dict[str, Any]], reference: str = "hf") ->
     """Lines for the terminal: one per divergence, widest gap first."""
     if not rows:
         return f"every greedy output equals {reference}'s"
-    lines = [f"divergences from {reference} (position of the first different token; {reference}'s top-2 logit gap "
-             "there: a near-tie when small next to the dtype's resolution):"]
+    lines = [f"divergences from {reference} (the first different token; {reference}'s top-2 logit gap there, and in "
+             "steps of its logits' dtype resolution there):"]
     for row in sorted(rows, key=lambda r: -r["reference_top2_gap"]):
         lines.append(f"  {row['method']:<10} {row['category']}#{row['question_id']} token {row['position']}: "
-                     f"gap {row['reference_top2_gap']:.4g}")
+                     f"gap {row['reference_top2_gap']:.4g} ({row['reference_top2_gap_steps']:.3g} steps of the "
+                     "logits' resolution)")
     return "\n".join(lines)

@@ -81,9 +81,9 @@ def test_exact_attention_plans_paths_from_the_tree_mask() -> None:
     _, _, mask = tree_inputs(tree, 10, torch.bfloat16, "cpu")
     (row,) = exact_attention.plan(mask)
     assert (row.base, row.end) == (10, 14)
-    assert [n.length for n in row.nodes] == [11, 12, 12, 13]
-    assert row.nodes[0].source is None and row.nodes[1].source is None       # chain 0 -> 1 lies in place
-    assert row.nodes[2].source.tolist() == [0, 2] and row.nodes[3].source.tolist() == [0, 2, 3]
+    # depth first: 0, 1 (in place), then 2 (to slot 11, over 1) and 3 (to slot 12, over 2's old slot)
+    assert [(n.query, n.length, n.write) for n in row.nodes] == [(0, 11, None), (1, 12, None), (2, 12, 2),
+                                                                (3, 13, 3)]
 
 
 @torch.inference_mode()

@@ -472,6 +472,7 @@ def test_a_divergence_from_hf_is_reported_with_hfs_top2_gap_there(tiny_target):
         logits = tiny_target.model(torch.tensor([prompts[0].input_ids + ref[:2]])).logits[0, -1]
     top = logits.float().topk(2).values
     assert rows[0]["reference_top2_gap"] == pytest.approx(float(top[0] - top[1]))
+    assert rows[0]["reference_top2_gap_steps"] > 1000, "fp32 logits: a gap is many steps of their resolution"
     assert "pld" in format_divergences(rows) and "equals hf" in format_divergences([])
     assert first_difference([1, 2], [1, 2]) is None and first_difference([1], [1, 2]) == 1
 
@@ -488,6 +489,7 @@ def test_a_dtype_variant_runs_the_method_on_the_target_in_that_dtype(tiny_target
     config = BenchConfig(["ar", "ar:dtype=bfloat16", "pld:dtype=bfloat16"], max_new_tokens=8, progress=False)
     results, records = bench.run_benchmark(tiny_target, prompts, config)
     assert {r.method for r in records} == {"ar", "ar:dtype=bfloat16", "pld:dtype=bfloat16"}
+    assert results["methods"]["pld:dtype=bfloat16"]["greedy_match_rate"] == 1.0, "matched with ar in bf16"
     bf16 = {r.index: r.token_ids for r in records if r.method == "ar:dtype=bfloat16"}
     assert all(r.token_ids == bf16[r.index] for r in records if r.method == "pld:dtype=bfloat16")
     parser = argparse.ArgumentParser()

@@ -10,9 +10,9 @@ a call of its own, with one query, over a contiguous cache that holds exactly wh
 hold at that token (the row's committed context, then the node's ancestors and itself, in order).
 
 How, without copying the cache per node: the tree's entries were appended after the row's context by the cache
-update; the node's path is copied into the slots right after the row's own context, the call reads a view of
-the first `length` slots, and the appended block is put back afterwards (so `keep` compacts as before). A chain's
-node whose path already lies in place (a single request, nodes 0..j) copies nothing.
+update; nodes are visited depth first, each node's entry is copied to the slot of its depth right after the row's
+own context (its ancestors are already there), the call reads a view of the first `length` slots, and the
+appended block is put back afterwards (so `keep` compacts as before). A chain's nodes copy nothing.
 
 Attention itself runs in float32 on the CPU (see `fast_forward._layer`): the one-query bf16 kernel is several
 times slower than the float32 one there, and the K/V values of a bf16 model are exact in float32.
@@ -28,17 +28,19 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class NodeAttention:
-    """One tree node's attention: query `query` of batch row `row` sees `length` keys after its path is placed."""
+    """One tree node's attention: query `query` of batch row `row` sees `length` keys once `write` is placed."""
 
     row: int
     query: int
-    length: int                   # the row's context + the node's depth + 1
-    source: torch.Tensor | None   # positions (from the row's `base`) to copy to `base ..`; None: already in place
+    length: int                # the row's context + the node's depth + 1
+    write: int | None          # the node's own entry (offset from the row's `base`) to copy to slot length - 1;
+                               # None: that slot already holds it
 
 
 @dataclass(frozen=True)
 class RowPlan:
-    """A batch row's nodes and the slots they borrow: [base, end) is saved before and restored after."""
+    """A batch row's nodes in depth-first order and the slots they borrow: [base, end) is saved before and
+    restored after."""
 
     base: int                  # the row's committed context length
     end: int                   # the shared end of the appended tree block
@@ -46,14 +48,16 @@ class RowPlan:
 
     @property
     def borrows(self) -> bool:
-        return any(n.source is not None for n in self.nodes)
+        return any(n.write is not None for n in self.nodes)
 
 
 def plan(mask: torch.Tensor) -> list[RowPlan]:
     """Each batch row's nodes from an additive tree mask [B, 1, T, past + T] (0: visible).
 
     Every query must see a prefix [0, base) of the cache and then some of the appended block [past, past + T)
-    (its ancestors and itself, in order): what `verify.batch_inputs` builds."""
+    (its ancestors and itself, in order): what `verify.batch_inputs` builds. Nodes are visited depth first, so
+    when a node is reached its ancestors already lie in the slots after the context, and only its own entry may
+    need copying (to the slot of its depth)."""
     batch, _, width, total = mask.shape
     past = total - width
     visible = (mask[:, 0] == 0).cpu()                                       # [B, T, past + T]
@@ -62,12 +66,14 @@ def plan(mask: torch.Tensor) -> list[RowPlan]:
         base = int(visible[b, 0, :past].sum())
         if not bool(visible[b, :, :base].all()) or bool(visible[b, :, base:past].any()):
             raise ValueError("exact tree attention needs every node to see its row's context as a prefix")
+        paths = [(visible[b, j, past:].nonzero().flatten() + past).tolist() for j in range(width)]
+        occupant = {past + j: past + j for j in range(width)}               # slot -> whose entry is there
         nodes = []
-        for j in range(width):
-            tree = visible[b, j, past:].nonzero().flatten() + past          # absolute positions, in order
-            length = base + tree.numel()
-            in_place = bool(torch.equal(tree, torch.arange(base, length)))
-            nodes.append(NodeAttention(b, j, length, None if in_place else tree - base))
+        for j in sorted(range(width), key=lambda q: paths[q]):             # depth first: by path
+            slot, own = base + len(paths[j]) - 1, past + j
+            write = None if occupant.get(slot) == own else own - base
+            occupant[slot] = own
+            nodes.append(NodeAttention(b, j, slot + 1, write))
         plans.append(RowPlan(base, total, tuple(nodes)))
     return plans
 
@@ -79,15 +85,14 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plans:
     out = query.new_empty((*query.shape[:3], values.shape[-1]))
     for row, rp in enumerate(plans):
         saved = (keys[row, :, rp.base: rp.end].clone(), values[row, :, rp.base: rp.end].clone()) if rp.borrows else None
+        k_row, v_row, q_row = keys[row: row + 1], values[row: row + 1], query[row: row + 1]
         for node in rp.nodes:
-            if node.source is not None and saved is not None:
-                span = slice(rp.base, node.length)
-                keys[row, :, span] = saved[0][:, node.source]
-                values[row, :, span] = saved[1][:, node.source]
-            q = query[row: row + 1, :, node.query: node.query + 1]                  # [1, H, 1, D]
+            if node.write is not None and saved is not None:
+                keys[row, :, node.length - 1] = saved[0][:, node.write]
+                values[row, :, node.length - 1] = saved[1][:, node.write]
             out[row, :, node.query] = F.scaled_dot_product_attention(
-                q, keys[row: row + 1, :, : node.length], values[row: row + 1, :, : node.length], scale=scale,
-                enable_gqa=True)[0, :, 0]
+                q_row[:, :, node.query: node.query + 1], k_row[:, :, : node.length], v_row[:, :, : node.length],
+                scale=scale, enable_gqa=True)[0, :, 0]
         if saved is not None:
             keys[row, :, rp.base: rp.end] = saved[0]
             values[row, :, rp.base: rp.end] = saved[1]
