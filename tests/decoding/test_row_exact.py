@@ -84,6 +84,11 @@ def test_exact_attention_plans_paths_from_the_tree_mask() -> None:
     # depth first: 0, 1 (in place), then 2 (to slot 11, over 1) and 3 (to slot 12, over 2's old slot)
     assert [(n.query, n.length, n.write) for n in row.nodes] == [(0, 11, None), (1, 12, None), (2, 12, 2),
                                                                 (3, 13, 3)]
+    from rasd.decoding.step.verify import batch_inputs
+
+    _, _, mask = batch_inputs([tree, DraftTree.root_only(9)], [10, 7], 10, torch.bfloat16, "cpu")
+    _, short = exact_attention.plan(mask)
+    assert short.base == 7 and [n.query for n in short.nodes] == [0], "the shorter tree's padding is skipped"
 
 
 @torch.inference_mode()

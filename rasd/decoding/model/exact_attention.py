@@ -57,7 +57,8 @@ def plan(mask: torch.Tensor) -> list[RowPlan]:
     Every query must see a prefix [0, base) of the cache and then some of the appended block [past, past + T)
     (its ancestors and itself, in order): what `verify.batch_inputs` builds. Nodes are visited depth first, so
     when a node is reached its ancestors already lie in the slots after the context, and only its own entry may
-    need copying (to the slot of its depth)."""
+    need copying (to the slot of its depth). A node past the first that sees no ancestor is a padding copy of the
+    root (`verify.batch_inputs`): skipped, its output left zero."""
     batch, _, width, total = mask.shape
     past = total - width
     visible = (mask[:, 0] == 0).cpu()                                       # [B, T, past + T]
@@ -70,6 +71,8 @@ def plan(mask: torch.Tensor) -> list[RowPlan]:
         occupant = {past + j: past + j for j in range(width)}               # slot -> whose entry is there
         nodes = []
         for j in sorted(range(width), key=lambda q: paths[q]):             # depth first: by path
+            if j > 0 and len(paths[j]) == 1:
+                continue   # a padding copy of the root (a shorter tree in a batch): its output is never read
             slot, own = base + len(paths[j]) - 1, past + j
             write = None if occupant.get(slot) == own else own - base
             occupant[slot] = own
@@ -82,7 +85,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plans:
            scale: float | None) -> torch.Tensor:
     """query [B, H, T, D]; keys/values [B, H_kv, past + T, D], views of the cache (their storage is borrowed
     and restored) -> [B, H, T, D], each node by its own one-query call (`NodeAttention`)."""
-    out = query.new_empty((*query.shape[:3], values.shape[-1]))
+    out = query.new_zeros((*query.shape[:3], values.shape[-1]))
     for row, rp in enumerate(plans):
         saved = (keys[row, :, rp.base: rp.end].clone(), values[row, :, rp.base: rp.end].clone()) if rp.borrows else None
         k_row, v_row, q_row = keys[row: row + 1], values[row: row + 1], query[row: row + 1]
