@@ -43,10 +43,59 @@ def forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
     """
     if not TargetModel.of(model).runs_lean(input_ids.device):
         return _hf_forward(model, cache, input_ids, position_ids, mask, last_only)
-    plans = exact_attention.plan(mask) if exact and mask is not None and row_exact(model) else None
+    exactly = exact and row_exact(model)
+    if exactly and mask is None and input_ids.shape[1] > 1:   # a prompt: in chunks on the grid (`_on_grid`)
+        hidden = _on_grid(model.model, cache, input_ids, position_ids)
+    else:
+        plans = exact_attention.plan(mask) if exactly and mask is not None else None
+        hidden = _decode(model.model, cache, input_ids, position_ids, mask, plans)
     # normed at every position (cheap) before the cut, so a feature reader (`decoding.features`) sees them all
-    normed = model.model.norm(_decode(model.model, cache, input_ids, position_ids, mask, plans))
+    normed = model.model.norm(hidden)
     return model.lm_head(normed[:, -1:] if last_only else normed)
+
+
+PROMPT_GRID = 64   # reduced precision: prompt tokens run in chunks that start on multiples of this (`_on_grid`)
+
+
+def prompt_grid(model: torch.nn.Module) -> int:
+    """The grid a prompt's chunks (a prefix-cache hit, a chunked prefill) must start on for this model: 1 (any)
+    unless it is row-exact (`row_exact`)."""
+    return PROMPT_GRID if row_exact(model) and TargetModel.of(model).lean else 1
+
+
+def _on_grid(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor
+             ) -> torch.Tensor:
+    """Hidden states [1, T, H] of prompt tokens, run in chunks that end at multiples of `PROMPT_GRID`.
+
+    Why: a row of a causal prompt forward gets other bits depending on how many rows share the call (the kernel
+    tiles its queries by their count). With chunks fixed by absolute position, a prompt prefilled at once, after
+    a prefix-cache hit (hits are cut to the grid) or in a batch's chunks runs the very same calls, so its K/V and
+    first token are the same bits on every path, as reduced precision needs (`row_exact`)."""
+    past, total = cache.get_seq_length(), input_ids.shape[1]
+    keepers = layer_keepers(inner)
+    collected = _Collect() if keepers else None
+    parts, start = [], past
+    while start < past + total:
+        end = min((start // PROMPT_GRID + 1) * PROMPT_GRID, past + total)
+        piece = slice(start - past, end - past)
+        parts.append(_decode(inner, cache, input_ids[:, piece], position_ids[:, piece], None,
+                             keepers=[collected] if collected is not None else []))
+        start = end
+    if collected is not None:
+        for keeper in keepers:
+            for index, outs in collected.outs.items():
+                keeper.keep(index, torch.cat(outs, dim=1))
+    return torch.cat(parts, dim=1)
+
+
+class _Collect:
+    """Stands in for the feature keepers while a prompt runs in chunks: each layer's outputs, chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.outs: dict[int, list[torch.Tensor]] = {}
+
+    def keep(self, index: int, out: torch.Tensor) -> None:
+        self.outs.setdefault(index, []).append(out)
 
 
 def prefill(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor) -> torch.Tensor:
@@ -83,8 +132,10 @@ def _hf_forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tenso
 
 
 def _decode(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            mask: torch.Tensor | None, plans: list[exact_attention.RowPlan] | None = None) -> torch.Tensor:
-    """Hidden states [1, T, H] after the last decoder layer (before the final norm)."""
+            mask: torch.Tensor | None, plans: list[exact_attention.RowPlan] | None = None,
+            keepers: list[Any] | None = None) -> torch.Tensor:
+    """Hidden states [1, T, H] after the last decoder layer (before the final norm). `keepers`: who is handed
+    each layer's output (default: the model's feature keepers)."""
     hidden = F.embedding(input_ids, inner.embed_tokens.weight)           # [1, T, H]
     cos, sin = inner.rotary_emb.forward(hidden, position_ids)            # [1, T, D] each
     cos, sin = cos[:, None], sin[:, None]                                # broadcast over heads
@@ -95,7 +146,8 @@ def _decode(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
             causal, pad = True, past
         else:
             mask = _causal_mask(past, input_ids.shape[1], hidden.dtype, hidden.device)
-    keepers = layer_keepers(inner)   # a fused EAGLE head reads some layers' outputs (`decoding.features`)
+    if keepers is None:   # a fused EAGLE head reads some layers' outputs (`decoding.features`)
+        keepers = layer_keepers(inner)
     for i, (layer, kv) in enumerate(zip(inner.layers, cache.layers, strict=False)):
         hidden = _layer(layer, kv, hidden, cos, sin, mask, causal, pad, plans)
         for keeper in keepers:

@@ -20,6 +20,7 @@ so the first new token comes from the same kind of forward as without the cache.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,13 +93,16 @@ class PrefixCache:
         for key in reversed(chain):
             self._blocks.move_to_end(key)
 
-    def fill(self, cache: TreeCache, prompt: Sequence[int]) -> int:
+    def fill(self, cache: TreeCache, prompt: Sequence[int], align: int = 1) -> int:
         """Load the longest cached prefix of `prompt` into the empty `cache`; returns its length in tokens.
 
-        At least `min_suffix` prompt tokens are left out, for the caller to prefill.
+        At least `min_suffix` prompt tokens are left out, for the caller to prefill. `align`: the hit is cut to a
+        multiple of it (a row-exact model's prompt grid, `fast_forward.prompt_grid`).
         """
         self.stats.queries += len(prompt)
         chain = self._chain(self._keys(prompt, len(prompt) - self.min_suffix))
+        step = math.lcm(align, self.block_tokens)   # whole blocks, ending on the grid
+        chain = chain[: len(chain) * self.block_tokens // step * step // self.block_tokens]
         if not chain or self._pool is None:
             return 0
         self._touch(chain)

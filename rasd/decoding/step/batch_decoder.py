@@ -245,7 +245,8 @@ class BatchDecoder:
         if stream.decoder.model is not self.model:
             raise ValueError("a batch shares one target model: the stream was built for another")
         single = TreeCache.for_model(self.model)
-        cached = self.prefix_cache.fill(single, stream.prompt_ids) if self.prefix_cache is not None else 0
+        grid = fast_forward.prompt_grid(self.model)
+        cached = self.prefix_cache.fill(single, stream.prompt_ids, grid) if self.prefix_cache is not None else 0
         if self.streams and self.chunk_tokens > 0 and self.target.chunks_prefill(self.fast, self.device, self.static):
             stream.start()
             stream.stats.cached_prompt_tokens = cached
@@ -402,7 +403,8 @@ class BatchDecoder:
                             ) -> tuple[torch.Tensor, list[int] | None]:
         """Rows' logits [B, T, vocab] from a forward that also prefilled `job`'s next chunk; the job's first
         block when that chunk was its last."""
-        chunk, last = job.next_chunk(self.chunk_tokens)
+        grid = fast_forward.prompt_grid(self.model)   # a row-exact model's chunks: its prompt grid, on it
+        chunk, last = job.next_chunk(grid if grid > 1 else self.chunk_tokens)
         chunk_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
         out = fast_forward.forward_mixed(self.model, self.cache, ids, pos, mask, job.cache, chunk_ids, last).float()
         job.done += len(chunk)
