@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rasd.eval.datasets import BenchPrompt
-from rasd.eval.runners import RunRecord, split_dtype
+from rasd.eval.runners import LLAMACPP, RunRecord, split_dtype
 
 
 def first_difference(ours: Sequence[int], ref: Sequence[int]) -> int | None:
@@ -51,6 +51,8 @@ def divergences(model: torch.nn.Module, prompts: Sequence[BenchPrompt], records:
         ref = refs.get(record.index)
         if record.method == reference or ref is None or split_dtype(record.method)[1] is not None:
             continue   # a method in another dtype (`rasd:dtype=float32`) is not HF's computation
+        if record.method == LLAMACPP:
+            continue   # nor is llama.cpp's quantized one (listed apart: `llamacpp.first_differences`)
         first = first_difference(record.token_ids, ref.token_ids)
         if first is None or first >= min(len(record.token_ids), len(ref.token_ids)):
             continue   # equal, or one stopped earlier (a length, not a token, differs)
