@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from rasd.eval.aggregate import build_results
 from rasd.eval.bench_output import format_table, plot_speedups, write_answers, write_results
 from rasd.eval.datasets import BenchItem, BenchPrompt, load_items, prepare_prompts
-from rasd.eval.runners import LLAMACPP, Runner, RunRecord, SamplingConfig, make_runner, run_prompts
+from rasd.eval.runners import LLAMACPP, Runner, RunRecord, SamplingConfig, make_runner, run_prompts, split_dtype
 
 if TYPE_CHECKING:
     from rasd.decoding.model.loading import LoadedModel
@@ -177,7 +177,7 @@ def _validate(args: argparse.Namespace, methods: list[str]) -> None:
         raise ValueError("--temperature must be >= 0")
     from rasd.decoding.model.loading import check_dtype
     from rasd.decoding.proposers.registry import METHODS, method_variant
-    from rasd.eval.runners import BASELINES, HF_METHODS, split_dtype
+    from rasd.eval.runners import BASELINES, HF_METHODS
 
     for full in methods:   # a misspelt method, option key or value fails now, not after the model has loaded
         if full.partition(":")[0] == LLAMACPP:
@@ -243,7 +243,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         from rasd.eval.near_ties import divergences, format_divergences
 
         results["divergences_from_hf"] = divergences(target.model, prompts, records)
-        print(format_divergences(results["divergences_from_hf"]))
+        apart = [m for m in methods if m == LLAMACPP or split_dtype(m)[1] is not None]
+        print(format_divergences(results["divergences_from_hf"], apart=apart))
     _write_outputs(args, results, records, target)
     return 0
 

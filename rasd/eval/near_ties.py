@@ -63,10 +63,11 @@ def divergences(model: torch.nn.Module, prompts: Sequence[BenchPrompt], records:
     return out
 
 
-def format_divergences(rows: Sequence[dict[str, Any]], reference: str = "hf") -> str:
-    """Lines for the terminal: one per divergence, widest gap first."""
+def format_divergences(rows: Sequence[dict[str, Any]], reference: str = "hf", apart: Sequence[str] = ()) -> str:
+    """Lines for the terminal: one per divergence, widest gap first. `apart`: methods `divergences` does not compare
+    (another dtype, llama.cpp), named so that "every output equals" is not read as covering them."""
     if not rows:
-        return f"every greedy output equals {reference}'s"
+        return f"every greedy output equals {reference}'s" + (f" (not compared: {', '.join(apart)})" if apart else "")
     lines = [f"divergences from {reference} (the first different token; {reference}'s top-2 logit gap there, and in "
              "steps of its logits' dtype resolution there):"]
     for row in sorted(rows, key=lambda r: -r["reference_top2_gap"]):
