@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from rasd.eval.aggregate import build_results
 from rasd.eval.bench_output import format_table, plot_speedups, write_answers, write_results
 from rasd.eval.datasets import BenchItem, BenchPrompt, load_items, prepare_prompts
-from rasd.eval.runners import Runner, RunRecord, SamplingConfig, make_runner, run_prompts
+from rasd.eval.runners import LLAMACPP, Runner, RunRecord, SamplingConfig, make_runner, run_prompts, split_dtype
 
 if TYPE_CHECKING:
     from rasd.decoding.model.loading import LoadedModel
@@ -44,6 +44,7 @@ class BenchConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     warmup: bool = True
     progress: bool = True
+    gguf: Path | None = None     # the file `llamacpp` runs (None: the embedded model's own, for `default`)
 
 
 def run_benchmark(target: LoadedModel, prompts: Sequence[BenchPrompt], config: BenchConfig,
@@ -52,7 +53,7 @@ def run_benchmark(target: LoadedModel, prompts: Sequence[BenchPrompt], config: B
     """Build the runners, run them interleaved, and aggregate: the in-process entry point tests use."""
     import torch
 
-    runners = [make_runner(name, target, config.sampling, draft) for name in config.methods]
+    runners = [_runner(name, target, config, draft) for name in config.methods]
     records = run_prompts(runners, prompts, config.max_new_tokens, config.sampling, config.warmup,
                           config.progress)
     base_meta = {"model": target.name, "device": target.device, "dtype": target.dtype,
@@ -62,10 +63,30 @@ def run_benchmark(target: LoadedModel, prompts: Sequence[BenchPrompt], config: B
                  "draft_model": draft.name if draft is not None else None,
                  "temperature": config.sampling.temperature, "top_p": config.sampling.top_p,
                  "top_k": config.sampling.top_k, "seed": config.sampling.seed, "num_prompts": len(prompts)}
+    for runner in runners:
+        base_meta.update(getattr(runner, "meta", {}))
     base_meta.update(meta or {})
     results = build_results(base_meta, records, config.methods, config.sampling.greedy)
     results["cost_curves"] = _used_curves(runners)
+    if LLAMACPP in config.methods and results["greedy_reference"] not in (None, LLAMACPP):
+        from rasd.eval.llamacpp import first_differences
+
+        results["llamacpp_first_difference"] = first_differences(records, results["greedy_reference"])
     return results, records
+
+
+def _runner(name: str, target: LoadedModel, config: BenchConfig, draft: LoadedModel | None) -> Runner:
+    """`llamacpp` on its GGUF file with torch's thread count (`--threads`), every other method by `make_runner`."""
+    if name != LLAMACPP:
+        return make_runner(name, target, config.sampling, draft)
+    import torch
+
+    from rasd.eval.llamacpp import LlamaCppRunner, resolve_gguf
+
+    gguf = config.gguf or resolve_gguf(target.name, None)
+    vocab = getattr(target.model.config, "vocab_size", None)
+    return LlamaCppRunner(gguf, config.sampling, target.eos_token_ids, torch.get_num_threads(),
+                          gpu=str(target.device).startswith("cuda"), vocab_size=vocab)
 
 
 def _used_curves(runners: Sequence[Runner]) -> list[dict[str, Any]]:
@@ -122,7 +143,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (llamacpp: its threads)")
+    parser.add_argument("--gguf", default=None, metavar="PATH",
+                        help="the GGUF file the llamacpp baseline runs (default: the embedded model's own, for "
+                             "--model default; required for any other --model)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--out", default=None, help="write results.json here")
@@ -153,9 +177,14 @@ def _validate(args: argparse.Namespace, methods: list[str]) -> None:
         raise ValueError("--temperature must be >= 0")
     from rasd.decoding.model.loading import check_dtype
     from rasd.decoding.proposers.registry import METHODS, method_variant
-    from rasd.eval.runners import HF_METHODS, split_dtype
+    from rasd.eval.runners import BASELINES, HF_METHODS
 
     for full in methods:   # a misspelt method, option key or value fails now, not after the model has loaded
+        if full.partition(":")[0] == LLAMACPP:
+            from rasd.eval.llamacpp import check_method
+
+            check_method(full)
+            continue
         name, dtype = split_dtype(full)
         if dtype is not None:
             check_dtype(dtype)
@@ -163,8 +192,19 @@ def _validate(args: argparse.Namespace, methods: list[str]) -> None:
             try:
                 method_variant(name)
             except ValueError as exc:
-                hint = f" (or an HF baseline: {', '.join(HF_METHODS)})" if name.partition(":")[0] not in METHODS else ""
+                hint = f" (or a baseline: {', '.join(BASELINES)})" if name.partition(":")[0] not in METHODS else ""
                 raise ValueError(f"{exc}{hint}") from exc
+
+
+def _llamacpp_gguf(args: argparse.Namespace, methods: list[str]) -> Path | None:
+    """The GGUF for `llamacpp`, checked with the arguments: the file first, then that llama-cpp-python imports."""
+    if LLAMACPP not in methods:
+        return None
+    from rasd.eval.llamacpp import require_llama_cpp, resolve_gguf
+
+    gguf = resolve_gguf(args.model, args.gguf)
+    require_llama_cpp()
+    return gguf
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -177,6 +217,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:   # bad arguments, a missing dataset or model: one line, before any decoding
         methods = parse_methods(args.methods)
         _validate(args, methods)
+        gguf = _llamacpp_gguf(args, methods)
         if args.threads:
             torch.set_num_threads(args.threads)
         items = load_items(args.dataset, args.category, args.limit) if args.task == "generate" else []
@@ -188,17 +229,22 @@ def run_from_args(args: argparse.Namespace) -> int:
     if not prompts:
         raise CliError("every prompt was skipped")
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
-    config = BenchConfig(methods, args.max_new_tokens, sampling, not args.no_warmup, not args.no_progress)
+    config = BenchConfig(methods, args.max_new_tokens, sampling, not args.no_warmup, not args.no_progress, gguf)
     meta = {"dataset": str(args.dataset), "task": args.task, "index": args.index, "categories": args.category,
             "limit": args.limit, "truncated_prompts": sum(p.truncated_tokens > 0 for p in prompts),
             "skipped_prompts": max(len(items) - len(prompts), 0)}
     results, records = run_benchmark(target, prompts, config, draft, meta)
     print(format_table(results))
+    if results.get("llamacpp_first_difference") is not None:
+        from rasd.eval.llamacpp import format_first_differences
+
+        print(format_first_differences(results["llamacpp_first_difference"], results["greedy_reference"]))
     if "hf" in methods and sampling.temperature == 0:
         from rasd.eval.near_ties import divergences, format_divergences
 
         results["divergences_from_hf"] = divergences(target.model, prompts, records)
-        print(format_divergences(results["divergences_from_hf"]))
+        apart = [m for m in methods if m == LLAMACPP or split_dtype(m)[1] is not None]
+        print(format_divergences(results["divergences_from_hf"], apart=apart))
     _write_outputs(args, results, records, target)
     return 0
 

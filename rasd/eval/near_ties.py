@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rasd.eval.datasets import BenchPrompt
-from rasd.eval.runners import RunRecord, split_dtype
+from rasd.eval.runners import LLAMACPP, RunRecord, split_dtype
 
 
 def first_difference(ours: Sequence[int], ref: Sequence[int]) -> int | None:
@@ -51,6 +51,8 @@ def divergences(model: torch.nn.Module, prompts: Sequence[BenchPrompt], records:
         ref = refs.get(record.index)
         if record.method == reference or ref is None or split_dtype(record.method)[1] is not None:
             continue   # a method in another dtype (`rasd:dtype=float32`) is not HF's computation
+        if record.method == LLAMACPP:
+            continue   # nor is llama.cpp's quantized one (listed apart: `llamacpp.first_differences`)
         first = first_difference(record.token_ids, ref.token_ids)
         if first is None or first >= min(len(record.token_ids), len(ref.token_ids)):
             continue   # equal, or one stopped earlier (a length, not a token, differs)
@@ -61,10 +63,11 @@ def divergences(model: torch.nn.Module, prompts: Sequence[BenchPrompt], records:
     return out
 
 
-def format_divergences(rows: Sequence[dict[str, Any]], reference: str = "hf") -> str:
-    """Lines for the terminal: one per divergence, widest gap first."""
+def format_divergences(rows: Sequence[dict[str, Any]], reference: str = "hf", apart: Sequence[str] = ()) -> str:
+    """Lines for the terminal: one per divergence, widest gap first. `apart`: methods `divergences` does not compare
+    (another dtype, llama.cpp), named so that "every output equals" is not read as covering them."""
     if not rows:
-        return f"every greedy output equals {reference}'s"
+        return f"every greedy output equals {reference}'s" + (f" (not compared: {', '.join(apart)})" if apart else "")
     lines = [f"divergences from {reference} (the first different token; {reference}'s top-2 logit gap there, and in "
              "steps of its logits' dtype resolution there):"]
     for row in sorted(rows, key=lambda r: -r["reference_top2_gap"]):

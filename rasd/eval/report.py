@@ -54,7 +54,8 @@ META_FIELDS = (("model", "model"), ("draft_model", "draft model"), ("device", "d
                ("categories", "categories"), ("limit", "limit per category"), ("num_prompts", "prompts"),
                ("max_new_tokens", "max new tokens"), ("temperature", "temperature"),
                ("greedy_reference", "greedy reference"), ("truncated_prompts", "truncated prompts"),
-               ("skipped_prompts", "skipped prompts"), ("date", "date"))
+               ("skipped_prompts", "skipped prompts"), ("gguf", "llamacpp GGUF"),
+               ("llamacpp_version", "llama-cpp-python"), ("llamacpp_threads", "llamacpp threads"), ("date", "date"))
 
 
 # ------------------------------------------------------------------------------------ Markdown tables
@@ -458,6 +459,12 @@ def _summary(report: Report, results: dict[str, Any]) -> None:
                 f"tokens equal `{results.get('greedy_reference') or '-'}` token for token.")
     report.table(["category", "method", *(title for _, title, _ in TABLE_COLUMNS)], summary_rows(results),
                  right_from=2)
+    if results.get("llamacpp_first_difference"):
+        from rasd.eval.llamacpp import format_first_differences
+
+        report.para(format_first_differences(results["llamacpp_first_difference"], results["greedy_reference"])
+                    + " (llama.cpp runs its own kernels, the activations of its products quantized to 8 bits: "
+                    "its greedy output can leave the reference's where two logits are close).")
 
 
 def _position_table(report: Report, results: dict[str, Any], max_depth: int = 8) -> None:

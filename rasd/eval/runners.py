@@ -1,4 +1,5 @@
-"""Benchmark runners: HF `generate` baselines and our engine, one `RunRecord` per (method, prompt).
+"""Benchmark runners: HF `generate` baselines and our engine, one `RunRecord` per (method, prompt); the llama.cpp
+baseline's runner is in `llamacpp.py`.
 
 Methods run interleaved prompt by prompt (their order rotating) after one untimed warm-up each, so that drift
 of a noisy shared machine hits all methods alike. Speed is the decode phase (tokens after the first new one
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from rasd.decoding.model.loading import LoadedModel
 
 HF_METHODS = ("hf", "hf-static", "hf-pld", "hf-assisted")
+LLAMACPP = "llamacpp"   # llama.cpp on the model's GGUF (`eval/llamacpp.py`; the bench builds it: it needs the file)
+BASELINES = (*HF_METHODS, LLAMACPP)
 HF_PLD_NUM_TOKENS = 10  # HF's prompt-lookup window, the value Spec-Bench and the HF docs use
 WARMUP_MAX_NEW_TOKENS = 16
 
@@ -323,6 +326,8 @@ def make_runner(name: str, target: LoadedModel, sampling: SamplingConfig,
     """HF baselines by name; every other name is one of our engine's methods. `METHOD:dtype=D` runs the method on
     the target loaded in dtype D (`rasd:dtype=float32` beside `rasd`), its records under the full name."""
     base, dtype = split_dtype(name)
+    if base == LLAMACPP:
+        raise ValueError(f"{LLAMACPP} runs a GGUF file: build it with rasd.eval.llamacpp.LlamaCppRunner")
     if dtype is not None and dtype != target.dtype:
         runner = make_runner(base, target_in(target, dtype), sampling, draft)
         return DtypeVariant(name, runner)
