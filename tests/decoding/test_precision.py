@@ -107,7 +107,7 @@ def test_the_embedded_model_also_weighs_int4_and_a_users_model_is_never_quantize
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_the_real_check_finds_weight_only_dtypes_exact(dtype: str) -> None:
-    from rasd.decoding.model.kernels.quantized import quantize_model
+    from rasd.decoding.model.kernels.linear import quantize_model
 
     model = quantize_model(Loads()("bfloat16").model, int(dtype[3:]))
     assert precision._time_and_check(model)[1]

@@ -20,7 +20,7 @@ import torch
 
 from rasd.decoding.model import exact_attention
 from rasd.decoding.model.kernels import fast_kernels, install, quantized
-from rasd.decoding.model.kernels.linear import row_exact
+from rasd.decoding.model.kernels.linear import quantize_model, row_exact
 from rasd.decoding.proposers import METHODS, make_proposer
 from rasd.decoding.runtime.engine import GenerationStream, SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
@@ -44,7 +44,7 @@ def bf16_llama(seed: int, bits: int | None = None) -> torch.nn.Module:
     other tests)."""
     with torch.inference_mode(False):
         model = copy.deepcopy(tiny_llama(seed)).to(torch.bfloat16)
-    return model if bits is None else quantized.quantize_model(model, bits)
+    return model if bits is None else quantize_model(model, bits)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "bf16-packed", "int8", "int4"])

@@ -204,7 +204,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | torc
 def _load_weight_only(name: str, device: str, dtype: str, attn_implementation: str, graphs: bool) -> LoadedModel:
     """`--dtype int8|int4`: the model in bf16 with its decoder and LM-head products weight-only quantized
     (`kernels.quantized`); CPU only (torch's kernels for them are CPU ones)."""
-    from rasd.decoding.model.kernels.quantized import quantize_model
+    from rasd.decoding.model.kernels.linear import quantize_model
 
     if not device.startswith("cpu"):
         raise ModelLoadError(f"--dtype {dtype} runs on the CPU only; on {device} use bfloat16")

@@ -129,6 +129,17 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def quantize_model(model: torch.nn.Module, bits: int) -> torch.nn.Module:
+    """`model` with its decoder and LM-head products weight-only quantized to `bits` (`quantized.quantize`), in
+    every path: those Linears take the switchable forward now, not only at `install`. Returns the model."""
+    from rasd.decoding.model.kernels.quantized import quantize
+
+    for module in quantize(model, bits):
+        if not _patched(module):
+            module.forward = types.MethodType(_linear_forward, module)
+    return model
+
+
 def product(x: torch.Tensor, weight: torch.Tensor, approximate: bool = False) -> torch.Tensor:
     """`F.linear(x, weight)` for a weight that no nn.Linear owns, with a head's read-only output (an EAGLE head's
     rows of the target's LM head), by the form measured fastest for its rows inside `fast_kernels()`.

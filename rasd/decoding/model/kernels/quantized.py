@@ -16,7 +16,6 @@ row count (tests/decoding/test_row_exact.py), which the exact tree steps need.
 
 from __future__ import annotations
 
-import types
 import weakref
 from dataclasses import dataclass
 
@@ -97,24 +96,23 @@ def targets(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return found + ([head] if isinstance(head, torch.nn.Linear) else [])
 
 
-def quantize_model(model: torch.nn.Module, bits: int) -> torch.nn.Module:
-    """Quantize `model`'s decoder and LM-head products to `bits` (8 or 4), weight-only, in place; the model's
-    float weights stay (the embedding lookup reads them; nothing else does). Returns the model."""
-    from rasd.decoding.model.kernels.linear import _linear_forward
-
+def quantize(model: torch.nn.Module, bits: int) -> list[torch.nn.Linear]:
+    """Quantize `model`'s decoder and LM-head products to `bits` (8 or 4), weight-only, in place (`QUANTIZED`,
+    `STACKS`); the float weights stay (the embedding lookup reads them; nothing else does). Returns the Linears
+    now quantized, whose forward must be `linear._linear_forward` (`linear.quantize_model` sees to it)."""
     if bits not in BITS or not available(bits):
         raise ValueError(f"int{bits} weight-only products are not available in this torch build")
     make = quantize_int8 if bits == 8 else quantize_int4
-    for module in targets(model):
+    found = targets(model)
+    for module in found:
         QUANTIZED[module] = make(module.weight)
-        module.forward = types.MethodType(_linear_forward, module)
     for owner in model.modules():
         for names in PARTS:
             parts = [getattr(owner, n, None) for n in names]
             if all(isinstance(p, torch.nn.Linear) and p.bias is None for p in parts):
                 weight = torch.cat([p.weight.detach() for p in parts])
                 STACKS.setdefault(owner, {})[names] = (make(weight), [int(p.weight.shape[0]) for p in parts])
-    return model
+    return found
 
 
 def bits_of(model: torch.nn.Module) -> int | None:
