@@ -94,15 +94,14 @@ def test_load_model_auto_says_what_it_chose(monkeypatch: pytest.MonkeyPatch, cap
     assert "rasd: dtype float32" in capsys.readouterr().err
 
 
-def test_the_embedded_model_also_weighs_int4_and_a_users_model_is_never_quantized_unasked(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_never_quantizes_and_the_candidates_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RASD_NATIVE_BF16", "0")
-    assert precision.candidates("cpu", "default") == ["float32", "int4"]
-    assert precision.candidates("cpu", "HuggingFaceTB/SmolLM2-360M") == ["float32"]
+    assert precision.candidates("cpu", "default") == ["float32"]
     monkeypatch.setenv("RASD_NATIVE_BF16", "1")
-    assert precision.candidates("cpu", "default") == ["float32", "bfloat16", "int4"]
-    monkeypatch.setenv("RASD_DTYPE_CANDIDATES", "float32,int8")
-    assert precision.candidates("cpu", "default") == ["float32", "int8"]
+    assert precision.candidates("cpu", "default") == ["float32", "bfloat16"]
+    assert precision.candidates("cpu", "HuggingFaceTB/SmolLM2-360M") == ["float32", "bfloat16"]
+    monkeypatch.setenv("RASD_DTYPE_CANDIDATES", "float32,int4")
+    assert precision.candidates("cpu", "default") == ["float32", "int4"]
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])

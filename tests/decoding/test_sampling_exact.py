@@ -396,3 +396,24 @@ def test_engine_sampling_matches_plain_sampling() -> None:
         p_hom = pooled_homogeneity(ar_counts.sum(2), counts.sum(2))
         print(f"{method} vs ar (t1,t2): homogeneity p = {p_hom:.3g}")
         assert p_hom > ALPHA, f"{method}: (t1, t2) distribution differs from ar's"
+
+
+def test_draft_sampling_with_warping_is_exact_in_bf16() -> None:
+    """The warped unrelated-draft test with target and draft in bf16 (exact tree attention, row-exact products):
+    sampling is exact against the bf16 target's own joint distribution."""
+    import copy
+
+    with torch.inference_mode(False):
+        target = copy.deepcopy(tiny_llama(**TARGET)).to(torch.bfloat16)
+        draft = copy.deepcopy(tiny_llama(**OTHER)).to(torch.bfloat16)
+    joint = exact_joint(target, PROMPT, WARPED)
+    recording = Recording(make_proposer("draft", draft, max_depth=2, min_prob=0.0))
+    decoder = SpeculativeDecoder(target, recording, sizer=FixedSizer(16))
+    counts, accepted = np.zeros((SVOCAB,) * 3), 0
+    for i in range(1000):
+        out = decoder.generate(PROMPT, 3, sampling=replace(WARPED, seed=5_000_000 + 2 * i))
+        a, b, c = out.token_ids
+        counts[a, b, c] += 1
+        accepted += out.stats.num_accepted_tokens
+    assert recording.nodes_with_q > 0 and 100 < accepted < 1900, accepted
+    check_against_exact(counts, joint, "draft-other warped, bf16")

@@ -10,9 +10,10 @@ bit, and keeps the fastest exact one (fp32, the reference precision, is always a
 5%). The choice is kept per machine, model and thread count in `$RASD_HOME/precision/<machine>.json`, so the next
 process reads it instead of measuring again.
 
-The candidates: fp32; bf16 where native; and for the embedded model, whose weights are 4-bit by origin (its
-GGUF is Q4_1), int4 weight-only (`kernels.quantized`: the same grid, bf16 activations). A user's own model is
-never quantized unless asked (`--dtype int8|int4`).
+The candidates: fp32 and, where native, bf16. Weight-only int8 / int4 (`kernels.quantized`) are asked for, not
+chosen: a single request's timing favoured int4 for the embedded model (4-bit by origin), but the service under
+8 concurrent requests was much slower in int4 than in fp32 (docs/lab-notes/precision.md), so `auto` does not
+quantize.
 
 `RASD_DTYPE_CANDIDATES=float32,...` replaces the list (the test suite pins float32); `RASD_NATIVE_BF16=0|1`
 overrides the device check (a test forcing a machine without native bf16).
@@ -37,7 +38,7 @@ from rasd.paths import rasd_home, slug
 
 AUTO = "auto"
 REFERENCE = "float32"
-PROBE_VERSION = 1            # bump when what is timed or checked changes what wins
+PROBE_VERSION = 2            # bump when what is timed or checked changes what wins
 CONTEXT_TOKENS = 512         # the probe's prompt: a typical document-QA request's context
 TREE_NODES = 8               # the tree step timed beside a plain one (a chain: every node's path in place)
 STEPS = 64                   # a typical answer's decoding steps, half plain and half 8-node trees
@@ -70,18 +71,12 @@ def native_bf16(device: str) -> bool:
 
 
 def candidates(device: str, name: str = "") -> list[str]:
-    """The dtypes worth timing for model `name` on `device`: fp32 always, bf16 where it is native, int4 for the
-    embedded model on a CPU whose torch has the kernel (`RASD_DTYPE_CANDIDATES` replaces the list)."""
+    """The dtypes worth timing for model `name` on `device`: fp32 always, bf16 where it is native
+    (`RASD_DTYPE_CANDIDATES` replaces the list, e.g. `float32,bfloat16,int4`)."""
     forced = os.environ.get("RASD_DTYPE_CANDIDATES")
     if forced:
         return [d.strip() for d in forced.split(",") if d.strip()]
-    from rasd.decoding.model.kernels.quantized import available
-    from rasd.paths import DEFAULT_MODEL
-
-    found = [REFERENCE] + (["bfloat16"] if native_bf16(device) else [])
-    if name == DEFAULT_MODEL and device.startswith("cpu") and available(4):
-        found.append("int4")
-    return found
+    return [REFERENCE] + (["bfloat16"] if native_bf16(device) else [])
 
 
 def choose(name: str, device: str, load: Callable[[str], Any]) -> DtypeChoice:
