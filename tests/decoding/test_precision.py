@@ -87,11 +87,17 @@ def test_an_unknown_dtype_is_a_one_line_error_before_loading() -> None:
         load_model("default", dtype="float8")
 
 
-def test_load_model_auto_says_what_it_chose(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+def test_load_model_auto_keeps_why_and_says_it_only_when_it_is_news(monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: Any) -> None:
+    """Pinned to fp32 nothing is measured: the reason is kept (for /healthz), stderr stays quiet (a CLI error is
+    one line); a measured or non-fp32 choice is printed."""
     monkeypatch.setenv("RASD_DTYPE_CANDIDATES", "float32")
     loaded = load_model("default", dtype="auto")
     assert loaded.dtype == "float32" and "the only candidate" in loaded.dtype_reason
-    assert "rasd: dtype float32" in capsys.readouterr().err
+    assert "rasd: dtype" not in capsys.readouterr().err
+    monkeypatch.setattr(precision, "choose", lambda *_: precision.DtypeChoice("float32", "measured", {"a": 1.0}))
+    load_model("default", dtype="auto")
+    assert "rasd: dtype float32 (measured)" in capsys.readouterr().err
 
 
 def test_auto_never_quantizes_and_the_candidates_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,6 +89,8 @@ def round_trip_value(action: argparse.Action, tmp_path: Path) -> tuple[list[str]
         return [flag], True
     if action.dest == "index":
         return [flag, str(tmp_path)], str(tmp_path)
+    if action.dest == "dtype":     # a name torch has (checked by `validate`)
+        return [flag, "bfloat16"], "bfloat16"
     if action.type in (int, float):
         value = action.type((action.default or 0) + 3)
         return [flag, str(value)], value
@@ -119,6 +121,7 @@ def test_from_args_round_trips_every_flag(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize(("argv", "message"), [
+    (["--dtype", "float8"], "dtype must be auto or one of"),
     (["--replicas", "0"], "replicas must be >= 1 (got 0)"),
     (["--limit", "max_stop=0"], "limits.max_stop must be a positive integer"),
     (["--limit", "max_stopp=1"], "limits has unknown names: max_stopp"),

@@ -222,7 +222,8 @@ def _load_auto(name: str, device: str, attn_implementation: str, graphs: bool) -
     from rasd.decoding.model import precision
 
     choice = precision.choose(name, device, lambda d: load_model(name, device, d, attn_implementation, graphs))
-    print(f"rasd: dtype {choice.dtype} ({choice.reason})", file=sys.stderr)
+    if choice.dtype != precision.REFERENCE or choice.step_ms:   # said when it is news: measured, or not fp32
+        print(f"rasd: dtype {choice.dtype} ({choice.reason})", file=sys.stderr)
     loaded = load_model(name, device, choice.dtype, attn_implementation, graphs)
     loaded.dtype_reason = choice.reason
     return loaded
