@@ -5,9 +5,10 @@ the speed; but bf16 is only fast where the device computes it natively (AVX512-B
 quantized kernel's speed depends on the CPU, and a dtype is only usable if speculative decoding in it reproduces
 plain decoding in it token for token, which needs every tree node computed bit for bit as plain decoding computes
 it (`fast_forward.row_exact`). So `auto` lists the candidates, times a typical request in each (a 512-token
-prefill, then plain steps and 8-node tree steps), checks that a tree's logits equal the sequential steps' bit for
-bit, and keeps the fastest exact one (fp32, the reference precision, is always a candidate and wins ties within
-5%). The choice is kept per machine, model and thread count in `$RASD_HOME/precision/<machine>.json`, so the next
+prefill, then plain steps and 8- and 32-node tree steps), checks that a tree's logits equal the sequential
+steps' bit for bit, and keeps the fastest exact one (fp32, the reference precision, is always a candidate and
+wins ties within 5%). The choice is kept per machine, model and thread count in
+`$RASD_HOME/precision/<machine>.json`, so the next
 process reads it instead of measuring again.
 
 The candidates: fp32 and, where native, bf16. Weight-only int8 / int4 (`kernels.quantized`) are asked for, not
@@ -38,10 +39,11 @@ from rasd.paths import rasd_home, slug
 
 AUTO = "auto"
 REFERENCE = "float32"
-PROBE_VERSION = 2            # bump when what is timed or checked changes what wins
+PROBE_VERSION = 3            # bump when what is timed or checked changes what wins
 CONTEXT_TOKENS = 512         # the probe's prompt: a typical document-QA request's context
 TREE_NODES = 8               # the tree step timed beside a plain one (a chain: every node's path in place)
-STEPS = 64                   # a typical answer's decoding steps, half plain and half 8-node trees
+LONG_NODES = 32              # and a long one: a copied answer's chain, or 8 batched rows of 4-node trees
+STEPS = 64                   # a typical answer's decoding steps: half plain, a quarter each 8- and 32-node trees
 ROUNDS = 7                   # timed repetitions of the steps (the median is kept)
 MARGIN = 0.95                # a candidate must beat fp32 by 5% to be chosen over it
 
@@ -117,15 +119,19 @@ def _reason(best: str, step_ms: dict[str, float], exact: dict[str, bool]) -> str
     times = ", ".join(f"{d} {ms / 1000:.2f} s" for d, ms in step_ms.items())
     inexact = [d for d, ok in exact.items() if d != REFERENCE and not ok]
     why = f"; {', '.join(inexact)} not exact against its own plain decoding here" if inexact else ""
-    return (f"{best}: the fastest exact dtype here (a {CONTEXT_TOKENS}-token prompt and {STEPS} steps: "
-            f"{times}){why}")
+    return (f"{best}: the fastest exact dtype here (a {CONTEXT_TOKENS}-token prompt and {STEPS} steps, 8- and "
+            f"{LONG_NODES}-node trees among them: {times}){why}")
 
 
 @torch.inference_mode()
 def _time_and_check(model: torch.nn.Module) -> tuple[float, bool]:
-    """(ms of a typical request: a `CONTEXT_TOKENS` prefill, then `STEPS` steps, half plain and half 8-node
-    chains, each step's time the median of `ROUNDS`; whether the chain's logits equal the sequential plain
-    steps' bit for bit). Runs the engine's own forward (`fast_kernels`)."""
+    """(ms of a typical request: a `CONTEXT_TOKENS` prefill, then `STEPS` steps, half plain, a quarter 8-node and a
+    quarter 32-node chains, each step's time the median of `ROUNDS`; whether the 8-node chain's logits equal the
+    sequential plain steps' bit for bit). Runs the engine's own forward (`fast_kernels`).
+
+    Why the long chain: a tree's cost per node differs most between dtypes where exactness costs a call per node
+    (`exact_attention`); a service verifies long chains (an answer given before) and batches of trees, which a
+    single 8-node step would not show (int4 won a single-request timing and lost as a service)."""
     from rasd.decoding.model import fast_forward
     from rasd.decoding.model.kernels import fast_kernels, install, prefill_products
     from rasd.decoding.step.cache import TreeCache
@@ -146,19 +152,19 @@ def _time_and_check(model: torch.nn.Module) -> tuple[float, bool]:
                 fast_forward.prefill(model, cache, prompt)
             prefill_s.append(time.perf_counter() - t0)
         sequential = [tree_forward(model, cache, DraftTree.root_only(t))[0] for t in chain]
-        tree = DraftTree.chain(chain[0], chain[1:], "probe")
-        plain, trees = [], []
+        trees = {"plain": DraftTree.root_only(chain[0]), "tree": DraftTree.chain(chain[0], chain[1:], "probe"),
+                 "long": DraftTree.chain(chain[0], (chain * (LONG_NODES // TREE_NODES))[1:], "probe")}
+        times: dict[str, list[float]] = {name: [] for name in trees}
         for _ in range(ROUNDS):
-            cache.crop(-(cache.get_seq_length() - CONTEXT_TOKENS))
-            t0 = time.perf_counter()
-            tree_forward(model, cache, DraftTree.root_only(chain[0]))
-            plain.append(time.perf_counter() - t0)
-            cache.crop(-1)
-            t0 = time.perf_counter()
-            logits = tree_forward(model, cache, tree)
-            trees.append(time.perf_counter() - t0)
-    exact = all(torch.equal(logits[i], sequential[i]) for i in range(TREE_NODES))
-    request = prefill_s[-1] + STEPS / 2 * (statistics.median(plain) + statistics.median(trees))
+            for name, tree in trees.items():
+                cache.crop(-(cache.get_seq_length() - CONTEXT_TOKENS))
+                t0 = time.perf_counter()
+                logits = tree_forward(model, cache, tree)
+                times[name].append(time.perf_counter() - t0)
+                if name == "tree":
+                    exact = all(torch.equal(logits[i], sequential[i]) for i in range(TREE_NODES))
+    step = {name: statistics.median(t) for name, t in times.items()}
+    request = prefill_s[-1] + STEPS / 2 * step["plain"] + STEPS / 4 * (step["tree"] + step["long"])
     return request * 1000, exact
 
 
