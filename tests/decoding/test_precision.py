@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rasd.decoding.model import precision
+from rasd.decoding.model.kernels.forms import onednn_bf16
 from rasd.decoding.model.loading import LoadedModel, ModelLoadError, load_model
 from tests.helpers import tiny_llama
 
@@ -77,6 +78,8 @@ def test_auto_never_picks_a_dtype_that_is_slower_or_not_exact(monkeypatch: pytes
         assert "bfloat16 not exact" in choice.reason
 
 
+@pytest.mark.skipif(not onednn_bf16(),
+                    reason="this CPU has no oneDNN bf16 kernels")
 def test_the_real_check_finds_bf16_exact_on_a_tiny_llama() -> None:
     ms, exact = precision._time_and_check(Loads()("bfloat16").model)
     assert exact and ms > 0

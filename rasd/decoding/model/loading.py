@@ -184,7 +184,13 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | torc
         return _load_auto(name, device, attn_implementation, graphs)
     if isinstance(dtype, str) and dtype in WEIGHT_ONLY:
         return _load_weight_only(name, device, dtype, attn_implementation, graphs)
-    torch_dtype = resolve_dtype(dtype)
+    loaded = _load(name, device, resolve_dtype(dtype), attn_implementation, graphs)
+    _warn_unchecked_bf16(resolve_dtype(dtype), device)
+    return loaded
+
+
+def _load(name: str, device: str, torch_dtype: torch.dtype, attn_implementation: str, graphs: bool) -> LoadedModel:
+    """The HF model and tokenizer in `torch_dtype` (`load_model` after choosing the dtype)."""
     path = str(default_model_path()) if name == DEFAULT_MODEL else name
     if name != DEFAULT_MODEL and not Path(name).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
         raise ModelLoadError(f"model {name!r} is not a local folder and HF_HUB_OFFLINE=1")
@@ -201,6 +207,16 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | torc
                        dtype=str(torch_dtype).removeprefix("torch."), graphs=graphs)
 
 
+def _warn_unchecked_bf16(torch_dtype: torch.dtype, device: str) -> None:
+    """bf16 on a CPU without oneDNN's bf16 kernels: slow, and its row-exactness (speculative output equal to plain
+    decoding's) was never checked there; say so once at load."""
+    from rasd.decoding.model.kernels.forms import onednn_bf16
+
+    if torch_dtype == torch.bfloat16 and device.startswith("cpu") and not onednn_bf16():
+        print("rasd: this CPU has no native bf16 kernels: bf16 is slow here and speculative output is not checked "
+              "to equal plain decoding's; use --dtype float32 or int8", file=sys.stderr)
+
+
 def _load_weight_only(name: str, device: str, dtype: str, attn_implementation: str, graphs: bool) -> LoadedModel:
     """`--dtype int8|int4`: the model in bf16 with its decoder and LM-head products weight-only quantized
     (`kernels.quantized`); CPU only (torch's kernels for them are CPU ones)."""
@@ -208,7 +224,7 @@ def _load_weight_only(name: str, device: str, dtype: str, attn_implementation: s
 
     if not device.startswith("cpu"):
         raise ModelLoadError(f"--dtype {dtype} runs on the CPU only; on {device} use bfloat16")
-    loaded = load_model(name, device, "bfloat16", attn_implementation, graphs)
+    loaded = _load(name, device, torch.bfloat16, attn_implementation, graphs)
     try:
         quantize_model(loaded.model, WEIGHT_ONLY[dtype])
     except ValueError as exc:

@@ -36,10 +36,18 @@ def onednn_available() -> bool:
 
 
 def can_pack(weight: torch.Tensor, form: str = PACKED) -> bool:
-    """Whether `weight` can take `form` here: MKL packs float32 weights; oneDNN also bf16 ones."""
+    """Whether `weight` can take `form` here: MKL packs float32 weights; oneDNN also bf16 ones, on CPUs where its
+    bf16 kernels run (AVX-512 and up; an AVX2-only CPU takes `F.linear`)."""
     available = onednn_available() if form == ONEDNN else packing_available()
-    dtypes = (torch.float32, torch.bfloat16) if form == ONEDNN else (torch.float32,)
-    return available and weight.dtype in dtypes and weight.device.type == "cpu"
+    if weight.dtype == torch.bfloat16 and form == ONEDNN:
+        return available and weight.device.type == "cpu" and onednn_bf16()
+    return available and weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN's bf16 kernels run on this CPU."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check is not None and check())
 
 
 def unpacked_form(rows: int) -> str:
