@@ -52,7 +52,10 @@ def sse_events(response: httpx.Response) -> list[Any]:
 
 def test_health_models_and_api_key(service: dict[str, Any]) -> None:
     bare = httpx.Client(base_url=service["url"], timeout=30)
-    assert bare.get("/healthz").json()["status"] == "ok"           # health needs no key
+    health = bare.get("/healthz").json()
+    assert health["status"] == "ok"                                 # health needs no key
+    # what `--dtype auto` chose and why (the suite pins auto's candidates to float32: conftest)
+    assert health["dtype"] == "float32" and "RASD_DTYPE_CANDIDATES" in health["dtype_reason"]
     denied = bare.get("/v1/models")
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
     wrong = bare.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"})
