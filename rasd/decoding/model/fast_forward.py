@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from rasd.decoding.model import exact_attention
 from rasd.decoding.model.features import layer_keepers
-from rasd.decoding.model.kernels import GATE_UP, QKV, fast_kernels, projections
+from rasd.decoding.model.kernels import GATE_UP, QKV, REDUCED, fast_kernels, projections
 from rasd.decoding.model.target import TargetModel
 from rasd.decoding.step.cache import TreeCache, cache_kwargs
 
@@ -60,7 +60,7 @@ PROMPT_GRID = 64   # reduced precision: prompt tokens run in chunks that start o
 def prompt_grid(model: torch.nn.Module) -> int:
     """The grid a prompt's chunks (a prefix-cache hit, a chunked prefill) must start on for this model: 1 (any)
     unless it is row-exact (`row_exact`)."""
-    return PROMPT_GRID if row_exact(model) and TargetModel.of(model).lean else 1
+    return PROMPT_GRID if _lean_and_exact(model) else 1
 
 
 def _on_grid(inner: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor
@@ -105,12 +105,17 @@ def prefill(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor) -
     holds what every later step computes with (float32 K/V, `_attention_dtype`), the same bits with or without
     a prefix hit. Others run HF's forward, as they always did."""
     past = cache.get_seq_length()
-    if row_exact(model) and TargetModel.of(model).lean:
+    if _lean_and_exact(model):
         positions = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
         with fast_kernels(True):
             return forward(model, cache, input_ids, positions, last_only=True)[0, -1]
     out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
     return out.logits[0, -1]
+
+
+def _lean_and_exact(model: torch.nn.Module) -> bool:
+    """Row-exact (`row_exact`) and run by the lean forward: the models whose prompts run on the grid."""
+    return row_exact(model) and TargetModel.of(model).lean
 
 
 def row_exact(model: torch.nn.Module) -> bool:
@@ -119,8 +124,6 @@ def row_exact(model: torch.nn.Module) -> bool:
     param = next(model.parameters())
     return param.device.type == "cpu" and param.dtype in REDUCED
 
-
-REDUCED = (torch.bfloat16, torch.float16)
 
 
 def _hf_forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, position_ids: torch.Tensor,

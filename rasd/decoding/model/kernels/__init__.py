@@ -31,14 +31,22 @@ from rasd.decoding.model.kernels.forms import (
     onednn_available,
     packing_available,
 )
-from rasd.decoding.model.kernels.linear import GATE_UP, QKV, install, product, projections, stack_products
+from rasd.decoding.model.kernels.linear import (
+    GATE_UP,
+    QKV,
+    REDUCED,
+    install,
+    product,
+    projections,
+    stack_products,
+)
 from rasd.decoding.model.kernels.mode import fast_enabled, fast_kernels, prefill_products, tuned_products
 
 _BUCKETS = BUCKETS   # the row-count buckets, under the name the sizer's comments and tests use
 
 __all__ = [
-    "BUCKETS", "CHOICES_VERSION", "GATE_UP", "HALF", "MAX_TUNED_ROWS", "ONEDNN", "PACKED", "PADDED", "QKV", "STOCK",
-    "TRANSPOSED", "KernelChoices", "fast_enabled", "fast_kernels", "install", "linear_choices", "machine_id",
+    "BUCKETS", "CHOICES_VERSION", "GATE_UP", "HALF", "MAX_TUNED_ROWS", "ONEDNN", "PACKED", "PADDED", "QKV", "REDUCED",
+    "STOCK", "TRANSPOSED", "KernelChoices", "fast_enabled", "fast_kernels", "install", "linear_choices", "machine_id",
     "onednn_available", "packing_available", "pass_times", "prefill_products", "product", "projections",
     "stack_products", "tuned_products",
 ]

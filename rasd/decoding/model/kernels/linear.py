@@ -97,7 +97,8 @@ def row_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         out = packed_product(ONEDNN, rows, COPIES.packed(module, ONEDNN), weight, bias)
     else:
         out = F.linear(rows, weight, bias)
-    return out[:1].reshape(*x.shape[:-1], out.shape[-1]) if single else out.reshape(*x.shape[:-1], out.shape[-1])
+    out = out[:1] if single else out
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

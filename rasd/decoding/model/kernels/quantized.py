@@ -113,10 +113,3 @@ def quantize(model: torch.nn.Module, bits: int) -> list[torch.nn.Linear]:
                 weight = torch.cat([p.weight.detach() for p in parts])
                 STACKS.setdefault(owner, {})[names] = (make(weight), [int(p.weight.shape[0]) for p in parts])
     return found
-
-
-def bits_of(model: torch.nn.Module) -> int | None:
-    """The weight-only bits of a quantized model (None: not quantized)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    found = QUANTIZED.get(head) if head is not None else None
-    return None if found is None else found.bits
