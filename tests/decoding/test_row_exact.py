@@ -21,7 +21,7 @@ import torch
 from rasd.decoding.model import exact_attention
 from rasd.decoding.model.kernels import fast_kernels, install, quantized
 from rasd.decoding.model.kernels.forms import onednn_bf16
-from rasd.decoding.model.kernels.linear import quantize_model, row_exact
+from rasd.decoding.model.kernels.linear import GATE_UP, LINEARS, QKV, projections, quantize_model, row_exact
 from rasd.decoding.proposers import METHODS, make_proposer
 from rasd.decoding.runtime.engine import GenerationStream, SpeculativeDecoder
 from rasd.decoding.sizing.sizers import FixedSizer
@@ -80,6 +80,21 @@ def test_a_row_exact_product_gives_each_row_the_same_bits_at_every_row_count(sha
         for rows in (2, 3, 5, 8, 16, 33):
             together = torch.cat([run(x[r: r + rows]) for r in range(0, len(x), rows)])
             assert torch.equal(together, alone), f"{kind}: {rows} rows at a time differ from one at a time"
+
+
+@NEEDS_BF16_KERNELS
+def test_a_bf16_models_q_k_v_and_gate_up_run_as_one_product_with_the_parts_bits() -> None:
+    model = bf16_llama(11)
+    install(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn in LINEARS.stacks and mlp in LINEARS.stacks    # stacked: fewer calls per step
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.inference_mode(), fast_kernels(True):
+        for owner, names in ((attn, QKV), (mlp, GATE_UP)):
+            for rows in (x[:1], x):
+                stacked = projections(owner, names, rows)
+                apart = [getattr(owner, n).forward(rows) for n in names]
+                assert all(torch.equal(a, b) for a, b in zip(stacked, apart, strict=True))
 
 
 def test_exact_attention_plans_paths_from_the_tree_mask() -> None:

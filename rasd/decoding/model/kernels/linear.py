@@ -280,15 +280,18 @@ def stack_products(model: torch.nn.Module) -> None:
 
 def _stack(owner: torch.nn.Module, names: tuple[str, ...]) -> Stack | None:
     """One Linear over the parts' stacked weights (and biases), the parts rebound to views of it; None when the
-    parts cannot stack (not all CPU float32, some with a bias and some without)."""
+    parts cannot stack (not all CPU float32, or bf16 that oneDNN packs; some with a bias and some without).
+
+    Why bf16 too: oneDNN's packed bf16 product gives each output column the same bits stacked or apart
+    (tests/decoding/test_row_exact.py), and a bf16 step of the 135M model makes 211 products instead of 121."""
     parts = [getattr(owner, n) for n in names]
     weights = [p.weight for p in parts]
     biases = [p.bias for p in parts]
-    if (any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights)
-            or len({b is None for b in biases}) > 1):
+    if not all(_stackable(w) for w in weights) or len({w.dtype for w in weights}) > 1 \
+            or len({b is None for b in biases}) > 1:
         return None
     sizes = [w.shape[0] for w in weights]
-    stacked = torch.nn.Linear(weights[0].shape[1], sum(sizes), bias=biases[0] is not None)
+    stacked = torch.nn.Linear(weights[0].shape[1], sum(sizes), bias=biases[0] is not None, dtype=weights[0].dtype)
     stacked.weight.data = torch.cat([w.data for w in weights])             # [sum(out), in]
     stacked.weight.requires_grad_(False)
     for part, view in zip(parts, stacked.weight.data.split(sizes), strict=True):
@@ -299,6 +302,12 @@ def _stack(owner: torch.nn.Module, names: tuple[str, ...]) -> Stack | None:
         for part, view in zip(parts, stacked.bias.data.split(sizes), strict=True):
             part.bias.data = view
     return Stack(stacked, names, sizes, _part_pointers(owner, names))
+
+
+def _stackable(weight: torch.Tensor) -> bool:
+    """A CPU weight in float32, or in bf16 where oneDNN packs it (`row_exact` multiplies the stack)."""
+    return weight.device.type == "cpu" and (weight.dtype == torch.float32
+                                            or (weight.dtype == torch.bfloat16 and can_pack(weight, ONEDNN)))
 
 
 def _part_pointers(owner: torch.nn.Module, names: tuple[str, ...]) -> tuple[int, ...]:
