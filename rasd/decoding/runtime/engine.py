@@ -1,8 +1,9 @@
 """SpeculativeDecoder: prefill, then propose → size → verify → commit until a stop condition.
 
-Stop conditions (EOS, stop strings, max_new_tokens, the model's context) are applied inside an accepted
-block: a step may accept several tokens at once, and nothing past the stop point is ever emitted.
-Committed tokens are streamed as soon as a step accepts them.
+Stop conditions (EOS, stop strings, a repeated span when asked for, max_new_tokens, the model's context) are
+applied inside an accepted block: a step may accept several tokens at once, and nothing past the stop point is
+ever emitted. Committed tokens are streamed as soon as a step accepts them, except the newest few that may still
+be dropped as a repetition (`runtime.repetition`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rasd.decoding.model.kernels import fast_kernels, install, prefill_products
 from rasd.decoding.model.static_step import StaticRows, StepConfig, shared_rows
 from rasd.decoding.proposers import ProposerBase, RecyclingMatrix
 from rasd.decoding.proposers.registry import METHODS, DecoderSetup, make_proposer, method_spec
+from rasd.decoding.runtime.repetition import RepeatWatch
 from rasd.decoding.runtime.stats import DecodeStats
 from rasd.decoding.sizing.cost import context_bucket, load_or_measure
 from rasd.decoding.sizing.gate import DraftGate
@@ -42,7 +44,7 @@ class GenerationOutput:
 
     token_ids: list[int]
     text: str | None
-    finish_reason: str     # "eos" | "length" | "stop"
+    finish_reason: str     # "eos" | "length" | "stop" | "repetition"
     stats: DecodeStats
     # where each of `token_ids` came from: "prefill" (the first token), a draft node's source ("datastore",
     # "documents", "context", "draft", ...) when verification accepted it, or "bonus" (the target's own token)
@@ -72,19 +74,28 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
 
 
 class _StopChecker:
-    """Cuts a block of new tokens at EOS, max_new_tokens or a stop string."""
+    """Cuts a block of new tokens at EOS, max_new_tokens, a stop string or a repeated span (`repetition`: the
+    window, 0 for off)."""
 
-    def __init__(self, max_new_tokens: int, eos_ids: set[int], stop: list[str], tokenizer: Any):
+    def __init__(self, max_new_tokens: int, eos_ids: set[int], stop: list[str], tokenizer: Any,
+                 repetition: int = 0):
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         self.max_new, self.eos_ids, self.stop, self.tokenizer = max_new_tokens, eos_ids, stop, tokenizer
         self.text_end: int | None = None   # where the text is cut when a stop string matched
+        self.watch = RepeatWatch(repetition) if repetition else None
+
+    @property
+    def held(self) -> int:
+        """The newest committed tokens not to show yet: they may still be dropped as a repetition."""
+        return self.watch.held if self.watch is not None else 0
 
     def cut(self, generated: list[int], block: list[int]) -> tuple[list[int], str | None]:
         """The part of `block` to commit after `generated`, and a finish reason if generation ends.
 
         Token by token, in the order plain decoding would meet them: a stop string completed by a token,
-        that token being EOS, or the token reaching max_new_tokens, whichever comes first.
+        that token being EOS, the newest tokens repeating a whole window, or the token reaching max_new_tokens,
+        whichever comes first. Each token seen here is committed (the watch follows the output).
         """
         out: list[int] = []
         for tok in block:
@@ -93,6 +104,8 @@ class _StopChecker:
                 return out, "stop"
             if tok in self.eos_ids:
                 return out, "eos"
+            if self.watch is not None and self.watch.push(tok):
+                return out, "repetition"
             if len(generated) + len(out) >= self.max_new:
                 return out, "length"
         return out, None
@@ -140,9 +153,9 @@ class SpeculativeDecoder:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  eos_token_ids: set[int] | None = None, stop: list[str] | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationOutput:
+                 on_tokens: Callable[[list[int]], None] | None = None, repetition: int = 0) -> GenerationOutput:
         """Decode to completion; `on_tokens` is called with every committed block (streaming)."""
-        stream = self.stream(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop)
+        stream = self.stream(prompt_ids, max_new_tokens, sampling, eos_token_ids, stop, repetition=repetition)
         for block in stream:
             if on_tokens is not None:
                 on_tokens(block)
@@ -150,17 +163,20 @@ class SpeculativeDecoder:
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                eos_token_ids: set[int] | None = None, stop: list[str] | None = None,
-               logprobs: int | None = None) -> GenerationStream:
+               logprobs: int | None = None, repetition: int = 0) -> GenerationStream:
         """An iterator of committed token blocks; its `.output` is set when it is exhausted.
 
-        `logprobs`: record every new token's log-probability and this many alternatives (None: none)."""
+        `logprobs`: record every new token's log-probability and this many alternatives (None: none).
+        `repetition`: stop once the newest this many tokens repeat an earlier span of the output, dropping them
+        (`runtime.repetition`; 0: off)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
-        checker = _StopChecker(max_new_tokens, set(eos_token_ids or ()), list(stop or []), self.tokenizer)
+        checker = _StopChecker(max_new_tokens, set(eos_token_ids or ()), list(stop or []), self.tokenizer,
+                               repetition)
         return GenerationStream(self, list(prompt_ids), sampling or GREEDY, checker, logprobs)
 
 
@@ -182,12 +198,14 @@ class GenerationStream:
         self.context: list[int] = []
         self.generated: list[int] = []
         self.reason: str | None = None
-        # per committed token, its source (see GenerationOutput.token_sources); append-only, so another
-        # thread may read the sources of the tokens it has been handed while this one goes on decoding
+        # per committed token, its source (see GenerationOutput.token_sources); append-only where handed out
+        # (only a held-back tail is ever dropped, `_release`), so another thread may read the sources of the
+        # tokens it has been handed while this one goes on decoding
         self.token_sources: list[str] = []
-        self.last_sources: list[str] = []   # the sources of the last committed block
+        self.last_sources: list[str] = []   # the sources of the last released block
+        self.released = 0                    # generated tokens handed out so far (the rest are held back)
         self.logprobs_k = logprobs
-        # per committed token when asked for (`logprobs`): append-only like token_sources
+        # per committed token when asked for (`logprobs`): kept like token_sources
         self.token_logprobs: list[TokenLogprob] | None = None if logprobs is None else []
         self.plain_step_s: float | None = None
         self.budget = 0                      # draft nodes the last `propose` allowed (sizer and context)
@@ -278,11 +296,10 @@ class GenerationStream:
         first = next_token(logits.float(), self.sampling, self.gen)
         self._record_logprobs(raw[None], [first])
         self.context, self.generated = self.prompt_ids + [first], [first]
-        self.last_sources = ["prefill"]
-        self.token_sources += self.last_sources
+        self.token_sources += ["prefill"]
         _, self.reason = self.checker.cut([], [first])
         self.stats.prefill_time_s = time.perf_counter() - self._t_start
-        return [first]
+        return self._release()
 
     @property
     def process(self) -> Process | None:
@@ -331,17 +348,33 @@ class GenerationStream:
         block, self.reason = self.checker.cut(self.generated, verdict.new_tokens(tree))
         sources = [tree.sources[i] for i in verdict.accepted]
         stats.record_step(tree.sources[1:], sources, tree.num_draft_tokens, max(tree.depths()))
-        self.last_sources = (sources + ["bonus"])[: len(block)]   # a stop condition may have cut the block
         self._record_logprobs(logits[[0, *verdict.accepted]], block)
-        self.token_sources += self.last_sources
+        self.token_sources += (sources + ["bonus"])[: len(block)]   # a stop condition may have cut the block
         self.context += block
         self.generated += block
         dec.proposer.observe(self.context, tree, verdict, logits)
+        released = self._release()
         overhead = draft_s + (time.perf_counter() - t2)
         dec.sizer.observe(tree, verdict.accepted, overhead, verify_s=alone_s)
         stats.draft_time_s += draft_s
         stats.verify_time_s += verify_s
         stats.bookkeeping_time_s += time.perf_counter() - t2
+        return released
+
+    def _release(self) -> list[int]:
+        """The committed tokens to hand out now: all but those still held back as a possible repetition; when
+        the repetition rule fired, its repeated window is dropped first (never handed out: it was held)."""
+        if self.reason == "repetition":
+            drop = len(self.generated) - self.checker.watch.window
+            del self.generated[drop:]
+            del self.context[len(self.context) - self.checker.watch.window:]
+            del self.token_sources[drop:]
+            if self.token_logprobs is not None:
+                del self.token_logprobs[drop:]
+        end = len(self.generated) - (self.checker.held if self.reason is None else 0)
+        block = self.generated[self.released:end]
+        self.last_sources = self.token_sources[self.released:end]
+        self.released = max(end, self.released)
         return block
 
     def _record_logprobs(self, logits: torch.Tensor, block: list[int]) -> None:
