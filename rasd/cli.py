@@ -15,10 +15,12 @@ from typing import Any
 
 from rasd.cli_options import (
     add_model_args,
+    add_repetition_args,
     add_sampling_args,
     check_method,
     load_target,
     method_help,
+    repetition_from_args,
     sampling_from_args,
 )
 from rasd.decoding.sizing.sizers import SIZINGS
@@ -70,6 +72,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_sampling_args(p)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_repetition_args(p, on=False)
     p.add_argument("--sizing", default="cost", choices=list(SIZINGS),
                    help="tree/draft-length policy: measured cost model (default), a fixed node budget, HF's "
                         "heuristic schedule, a confidence threshold, Thompson sampling (EESD); ldlp needs "
@@ -105,6 +108,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1")
     sampling = sampling_from_args(args)
+    repetition = repetition_from_args(args)
     target, draft = load_target(args)
     if args.chat and not has_chat_template(target.tokenizer):
         raise CliError("--chat was given but the model's tokenizer has no chat template")
@@ -119,7 +123,7 @@ def run_generate(args: argparse.Namespace) -> int:
     printer = None if args.json else TextPrinter(target.tokenizer)
     out = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                            eos_token_ids=target.eos_token_ids, stop=args.stop,
-                           on_tokens=None if printer is None else printer.push)
+                           on_tokens=None if printer is None else printer.push, repetition=repetition)
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "stats": out.stats.to_dict()}))

@@ -45,6 +45,30 @@ def add_sampling_args(p: argparse.ArgumentParser, top_k_flag: str = "--top-k") -
     p.add_argument("--seed", type=int, default=None)
 
 
+def add_repetition_args(p: argparse.ArgumentParser, on: bool) -> None:
+    """The repetition stop's flags (`runtime.repetition`): on by default where a person reads the answer (`ask`,
+    the batch job), off where a caller expects plain decoding's output (`generate`, as the OpenAI endpoints)."""
+    from rasd.decoding.runtime.repetition import DEFAULT_WINDOW
+
+    p.add_argument("--stop-on-repetition", action=argparse.BooleanOptionalAction, default=on,
+                   help="end the answer once its newest --repetition-window tokens repeat a span it already holds, "
+                        f"dropping that repeat (finish reason `repetition`; default: {'on' if on else 'off'})")
+    p.add_argument("--repetition-window", type=int, default=DEFAULT_WINDOW, metavar="N",
+                   help=f"tokens that must repeat for --stop-on-repetition (default {DEFAULT_WINDOW})")
+
+
+def repetition_from_args(args: argparse.Namespace) -> int:
+    """The repetition window to decode with (0: off); a bad window is a one-line error."""
+    from rasd.decoding.runtime.repetition import check_window
+
+    if not args.stop_on_repetition:
+        return 0
+    try:
+        return check_window(args.repetition_window)
+    except ValueError as exc:
+        raise CliError(f"--repetition-window: {exc}") from exc
+
+
 def sampling_from_args(args: argparse.Namespace) -> Any:
     """SamplingParams from the shared options; invalid values are one-line errors."""
     from rasd.decoding.step.sampling import SamplingParams

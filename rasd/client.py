@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  [{i}] {s.get('title') or s.get('source') or 'doc ' + str(s['doc_id'])} (chunk {s['chunk_id']}, "
               f"score {s['score']:.3f})")
     stats = final.get("rasd", {})
+    if final.get("finish_reason") == "repetition":
+        print("\n(the answer began to repeat itself and was stopped there)")
     print(f"\n{stats.get('new_tokens')} tokens, {stats.get('tokens_per_s')} tok/s decode, mean accepted "
           f"{stats.get('mean_accepted_tokens')}, accepted by source {stats.get('accepted_by_source')}")
     return 0

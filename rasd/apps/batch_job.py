@@ -31,6 +31,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rasd.cli_options import add_repetition_args
+from rasd.decoding.runtime.repetition import DEFAULT_WINDOW, check_window
 from rasd.fsio import crash_point, fsync_dir, write_json_atomic
 
 PART_PREFIX = "part-"
@@ -187,7 +189,8 @@ class Answerer:
     """Ray Data callable class: model and index loaded once per actor, then `DocQA.ask` per question."""
 
     def __init__(self, index: str, model: str = "default", method: str = "rasd", max_tokens: int = 128,
-                 top_k: int = 4, threads: int = 0, device: str = "cpu", dtype: str = "auto"):
+                 top_k: int = 4, threads: int = 0, device: str = "cpu", dtype: str = "auto",
+                 repetition: int = DEFAULT_WINDOW):
         import torch
 
         from rasd.apps.docqa import DocQA
@@ -198,7 +201,8 @@ class Answerer:
             torch.set_num_threads(threads)   # Ray sets OMP_NUM_THREADS=1 unless the actor asked for CPUs
         target = load_model(model, device=device, dtype=dtype)
         self.method = method
-        self.qa = DocQA(Index.open(index), target, method=method, max_new_tokens=max_tokens, top_k=top_k)
+        self.qa = DocQA(Index.open(index), target, method=method, max_new_tokens=max_tokens, top_k=top_k,
+                        repetition=repetition)
 
     def answer(self, qid: str, question: str) -> dict[str, Any]:
         """One output row; a question the pipeline refuses (e.g. too long alone) gets `error`, not a crash."""
@@ -251,12 +255,14 @@ def batch_methods() -> list[str]:
 def run_batch(input: str | Path, output: str | Path, index: str, method: str = "rasd", max_tokens: int = 128,
               concurrency: int = 1, limit: int | None = None, model: str = "default", top_k: int = 4,
               num_cpus: float | None = None, num_gpus: float = 0, resources: dict[str, float] | None = None,
-              batch_size: int = 4, address: str | None = None, progress: bool = True) -> BatchResult:
+              batch_size: int = 4, address: str | None = None, progress: bool = True,
+              repetition: int = DEFAULT_WINDOW) -> BatchResult:
     """Answer every question of `input` not yet in `output`; Ray is started (and stopped) if not running.
 
     `address`: a Ray cluster to join; by default RAY_ADDRESS (set by `ray job submit`) or a new local Ray,
     never a cluster that merely happens to run on this machine. `num_gpus` > 0 runs the model on CUDA;
     `resources` (e.g. {"rasd_verifier": 1}) places the actors on the nodes that carry them (cluster.yaml).
+    `repetition`: the repetition stop's window (`runtime.repetition`; 0: off).
     """
     start = time.perf_counter()
     if method not in batch_methods():
@@ -267,22 +273,28 @@ def run_batch(input: str | Path, output: str | Path, index: str, method: str = "
         raise BatchError("--num-gpus and --resources amounts must be non-negative numbers")
     if max_tokens < 1 or concurrency < 1 or top_k < 1 or batch_size < 1 or (limit is not None and limit < 1):
         raise BatchError("--max-tokens, --concurrency, --top-k, --batch-size and --limit must be at least 1")
+    try:
+        if repetition:
+            check_window(repetition)
+    except ValueError as exc:
+        raise BatchError(f"--repetition-window: {exc}") from exc
     questions = read_questions(input, limit)
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise BatchError(f"output {output} exists and is not a folder")
     index_path = resolve_index(index, model)
     output.mkdir(parents=True, exist_ok=True)
-    check_config(output, {"model": model, "index": index_path, "method": method, "max_tokens": max_tokens,
-                          "top_k": top_k})
+    actor = {"index": index_path, "model": model, "method": method, "max_tokens": max_tokens, "top_k": top_k,
+             "repetition": repetition}
+    check_config(output, actor)
     remove_stale_temporaries(output)
     done = done_ids(output)
     todo = questions.filter(pa.array([qid not in done for qid in questions.column("id").to_pylist()]))
     skipped = questions.num_rows - todo.num_rows
     answered = parts = 0
     if todo.num_rows:
-        answered, parts = _run_ray(todo, output, index_path, model, method, max_tokens, top_k, concurrency,
-                                   num_cpus, num_gpus, resources or {}, batch_size, address, progress)
+        answered, parts = _run_ray(todo, output, actor, concurrency, num_cpus, num_gpus, resources or {},
+                                   batch_size, address, progress)
     return BatchResult(answered=answered, skipped=skipped, total=len(done_ids(output)), parts=parts,
                        output=output, seconds=time.perf_counter() - start)
 
@@ -298,9 +310,10 @@ def default_num_cpus(nodes: list[dict[str, float]], concurrency: int, num_gpus: 
     return max(1, min(max(cpus), sum(cpus) // concurrency))
 
 
-def _run_ray(todo: pa.Table, output: Path, index_path: str, model: str, method: str, max_tokens: int,
-             top_k: int, concurrency: int, num_cpus: float | None, num_gpus: float, resources: dict[str, float],
-             batch_size: int, address: str | None, progress: bool) -> tuple[int, int]:
+def _run_ray(todo: pa.Table, output: Path, actor: dict[str, Any], concurrency: int, num_cpus: float | None,
+             num_gpus: float, resources: dict[str, float], batch_size: int, address: str | None,
+             progress: bool) -> tuple[int, int]:
+    """Answer `todo` in an actor pool of `Answerer(**actor)`s, writing a part per finished batch."""
     import ray
     from tqdm import tqdm
 
@@ -328,9 +341,7 @@ def _run_ray(todo: pa.Table, output: Path, index_path: str, model: str, method: 
             Answerer, batch_format="pyarrow", batch_size=batch_size, num_cpus=num_cpus, num_gpus=num_gpus or None,
             resources=resources or None,
             compute=ray.data.ActorPoolStrategy(size=concurrency),
-            fn_constructor_kwargs={"index": index_path, "model": model, "method": method,
-                                   "max_tokens": max_tokens, "top_k": top_k, "threads": threads,
-                                   "device": "cuda" if num_gpus else "cpu"})
+            fn_constructor_kwargs={**actor, "threads": threads, "device": "cuda" if num_gpus else "cpu"})
         answered = parts = 0
         with tqdm(total=todo.num_rows, unit="q", desc="rasd batch", disable=not progress,
                   file=sys.stderr) as bar:
@@ -360,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="rasd", help="decoding method (default rasd)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per answer")
     p.add_argument("--top-k", type=int, default=4, help="retrieved chunks cited in each prompt")
+    add_repetition_args(p, on=True)
     p.add_argument("--concurrency", type=int, default=1, help="actors, each with its own model")
     p.add_argument("--num-cpus", type=float, default=None,
                    help="CPUs (= torch threads) per actor; default: the cluster's CPUs / concurrency")
@@ -382,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                            concurrency=args.concurrency, limit=args.limit, model=args.model, top_k=args.top_k,
                            num_cpus=args.num_cpus, num_gpus=args.num_gpus, resources=args.resources,
                            batch_size=args.batch_size, address=args.address,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress,
+                           repetition=args.repetition_window if args.stop_on_repetition else 0)
     except BatchError as exc:
         print(f"rasd batch: error: {exc}", file=sys.stderr)
         return 2

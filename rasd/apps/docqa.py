@@ -17,6 +17,7 @@ from typing import Any
 from rasd.decoding.proposers import RecyclingMatrix, method_spec
 from rasd.decoding.proposers.recycling import matrix_path
 from rasd.decoding.runtime.engine import SpeculativeDecoder, build_decoder, vocab_size
+from rasd.decoding.runtime.repetition import DEFAULT_WINDOW
 from rasd.decoding.runtime.stats import DecodeStats
 from rasd.decoding.step.sampling import GREEDY, SamplingParams
 from rasd.text import as_id_list, encode_chat, has_chat_template
@@ -92,12 +93,14 @@ class DocQA:
 
     def __init__(self, index: Any, target: Any, method: str = "rasd", draft: Any = None,
                  top_k: int = DEFAULT_TOP_K, chat: bool = True, max_new_tokens: int = 256,
-                 sizing: str = "cost", recycling: Any = None):
+                 sizing: str = "cost", recycling: Any = None, repetition: int = DEFAULT_WINDOW):
+        """`repetition`: the repetition stop's window (`runtime.repetition`), on by default: a small model's
+        answer that loops reads broken, and its loop would be drafted for free. 0: off."""
         from rasd.index.store import check_tokenizer
 
         check_tokenizer(index, target)
         self.index, self.target, self.method = index, target, method
-        self.top_k, self.chat, self.max_new_tokens = top_k, chat, max_new_tokens
+        self.top_k, self.chat, self.max_new_tokens, self.repetition = top_k, chat, max_new_tokens, repetition
         spec = method_spec(method)
         extra: dict[str, Any] = {"datastores": index.datastores()} if spec.uses_index else {}
         if recycling is not None and spec.uses_recycling:
@@ -128,7 +131,7 @@ class DocQA:
         self.scope(sources)
         out = self.decoder.generate(ids, max_new_tokens=max_new_tokens or self.max_new_tokens,
                                     sampling=sampling or GREEDY, eos_token_ids=self.target.eos_token_ids,
-                                    on_tokens=on_tokens)
+                                    on_tokens=on_tokens, repetition=self.repetition)
         return Answer(answer=(out.text or "").strip(), sources=sources, stats=out.stats, token_ids=out.token_ids,
                       finish_reason=out.finish_reason, prompt_tokens=len(ids))
 
@@ -138,7 +141,7 @@ class DocQA:
 
 def register(subparsers: Any) -> Any:
     """`rasd ask`: one question against an index, answer streamed, then sources and statistics."""
-    from rasd.cli_options import add_model_args, add_sampling_args, method_help
+    from rasd.cli_options import add_model_args, add_repetition_args, add_sampling_args, method_help
 
     p = subparsers.add_parser("ask", help="answer a question from an index of documents")
     p.add_argument("question", help="the question")
@@ -149,6 +152,7 @@ def register(subparsers: Any) -> Any:
     p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="retrieved chunks cited in the prompt")
     p.add_argument("--max-new-tokens", type=int, default=256)
     add_sampling_args(p, top_k_flag="--sample-top-k")
+    add_repetition_args(p, on=True)
     p.add_argument("--json", action="store_true", help='print {"answer", "sources", "stats"} as one JSON object')
     p.set_defaults(func=run_ask)
     return p
@@ -181,7 +185,7 @@ def run_ask(args: Any) -> int:
     """Retrieve, stream the answer to stdout, then the sources and a statistics line (stderr)."""
     import json
 
-    from rasd.cli_options import check_method, load_target, sampling_from_args
+    from rasd.cli_options import check_method, load_target, repetition_from_args, sampling_from_args
     from rasd.errors import CliError
     from rasd.text import TextPrinter
 
@@ -191,12 +195,13 @@ def run_ask(args: Any) -> int:
     if args.top_k < 1 or args.max_new_tokens < 1:
         raise CliError("--top-k and --max-new-tokens must be at least 1")
     sampling = sampling_from_args(args)
+    repetition = repetition_from_args(args)
     index = open_index(args.index, args.model)
     target, draft = load_target(args)
     try:
         recycling = RecyclingMatrix.load_or_new(matrix_path(target.name), vocab_size(target.model))
         qa = DocQA(index, target, method=args.method, draft=draft, top_k=args.top_k,
-                   max_new_tokens=args.max_new_tokens, recycling=recycling)
+                   max_new_tokens=args.max_new_tokens, recycling=recycling, repetition=repetition)
         printer = None if args.json else TextPrinter(target.tokenizer)
         answer = qa.ask(args.question, sampling=sampling, on_tokens=None if printer is None else printer.push)
     except ValueError as exc:
@@ -210,5 +215,8 @@ def run_ask(args: Any) -> int:
     for i, s in enumerate(answer.sources, 1):
         where = s.title or s.source or f"doc {s.doc_id}"
         print(f"  [{i}] {where} (chunk {s.chunk_id}, score {s.score:.3f})")
+    if answer.finish_reason == "repetition":
+        print(f"(the answer began to repeat its last {repetition} tokens and was stopped there; "
+              "--no-stop-on-repetition shows it all)", file=sys.stderr)
     print(f"[{args.method}] {answer.stats.summary()}", file=sys.stderr)
     return 0

@@ -50,6 +50,7 @@ class Prepared:
     stop: list[str]
     sources: list[Any] = field(default_factory=list)   # `rasd.apps.docqa.Source`s: they scope retrieval
     logprobs: int | None = None   # alternatives per token's log-probability; None: none asked for
+    repetition: int = 0           # the repetition stop's window (`runtime.repetition`); 0: off
 
 
 @dataclass
@@ -60,6 +61,9 @@ class TokenBlock:
     sources: list[str]            # per token: "prefill", a draft source, or "bonus"
     plain_step_s: float | None    # one plain decoding step at the current context (measured cost curve)
     logprobs: list[Any] | None = None   # per token a `TokenLogprob`, when the request asked for them
+    # the sources of the tokens the verification step behind this block committed (None for the first token):
+    # more than `sources` when some are held back as a possible repetition (`runtime.repetition`)
+    step: list[str] | None = None
 
 
 @dataclass
@@ -302,7 +306,7 @@ class LocalBackend(DecodingBackend):
         if p.sources and index is not None and spec.uses_index:   # only those draft from documents
             decoder.proposer.scope(index.source_tokens(p.sources))
         return decoder.stream(p.prompt_ids, p.max_tokens, p.sampling, self.target.eos_token_ids, p.stop,
-                              logprobs=p.logprobs)
+                              logprobs=p.logprobs, repetition=p.repetition)
 
     async def events(self, p: Prepared, sourced: bool = False) -> AsyncIterator[tuple[str, Any]]:
         loop = asyncio.get_running_loop()
@@ -320,7 +324,7 @@ class LocalBackend(DecodingBackend):
         except ValueError as exc:
             finish_draft(stream)
             raise ApiError(400, str(exc)) from exc
-        finished, seen = False, 0
+        finished, seen, steps = False, 0, -1   # steps: verification steps handed out (the first block is none)
         try:
             while True:
                 kind, payload = await queue.get()
@@ -339,7 +343,9 @@ class LocalBackend(DecodingBackend):
                     sources = stream.token_sources[part]
                     logprobs = None if stream.token_logprobs is None else stream.token_logprobs[part]
                     seen += len(payload)
-                    payload = TokenBlock(list(payload), sources, stream.plain_step_s, logprobs)
+                    step = stream.step_log[steps] if steps >= 0 else None
+                    steps += 1
+                    payload = TokenBlock(list(payload), sources, stream.plain_step_s, logprobs, step)
                 yield kind, payload
                 if finished:
                     return

@@ -16,6 +16,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from rasd.decoding.runtime.repetition import DEFAULT_WINDOW, check_window
 from rasd.serve.auth import API_KEY_ENV, resolve_api_key
 from rasd.serve.limits import Limits
 
@@ -75,6 +76,9 @@ class ServeConfig:
     max_tokens_limit: int = setting(1024, "the largest max_tokens a request may ask for", minimum=1, flag=True)
     max_prompt_tokens: int | None = setting(None, "default: the model's context minus room for one token",
                                             minimum=1)
+    repetition_window: int = setting(DEFAULT_WINDOW, "tokens: an answer asking for the repetition stop (every "
+                                                     "/v1/docqa answer unless it says no) ends once its newest this "
+                                                     "many tokens repeat a span it already holds", flag=True)
     limits: dict[str, int] = setting(description="request size limits by `Limits` name, each a positive integer "
                                                  "(docs/serving.md)", factory=dict)
     retrieval_shards: int = setting(0, "serve the index from this many RetrievalShard actors (by segment; 0 = in "
@@ -184,6 +188,10 @@ class ServeConfig:
         gpus = self.verifier_options.get("num_gpus", 0)
         if not isinstance(gpus, int | float) or gpus < 0:
             raise ConfigError("verifier_options", f"num_gpus must be a number >= 0 (got {gpus!r})")
+        try:
+            check_window(self.repetition_window)
+        except ValueError as exc:
+            raise ConfigError("repetition_window", f"is {self.repetition_window!r}: {exc}") from exc
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ConfigError("dtype", f"must be auto or one of {', '.join(DTYPE_NAMES)} (got {self.dtype!r})")
         if self.draft_workers:

@@ -21,9 +21,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rasd.decoding.runtime.repetition import MAX_WINDOW, MIN_WINDOW
 from rasd.errors import ApiError, error_body  # noqa: F401  (the schemas' errors; re-exported)
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# the engine's reasons as the API names them; "repetition" (rasd's: the answer began to repeat itself, and the
+# repeated part was dropped) only where the request asked for the rule (`stop_on_repetition`)
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "repetition": "repetition"}
 
 
 def _off(value: Any) -> bool:
@@ -67,6 +70,12 @@ class _Request(BaseModel):
     stream: bool = False
     n: int = Field(default=1, ge=1, description="choices: decoded as rows of the batch (seeds seed, seed+1, ...)")
     method: str | None = Field(default=None, description="rasd extension: a decoding method (GET /v1/info lists them)")
+    stop_on_repetition: bool = Field(
+        default=False, description="rasd extension: end the answer (finish_reason \"repetition\") once its newest "
+                                   "`repetition_window` tokens repeat a span it already holds; that repeat is dropped")
+    repetition_window: int | None = Field(
+        default=None, ge=MIN_WINDOW, le=MAX_WINDOW,
+        description="rasd extension: the window of `stop_on_repetition` in tokens (default: the service's)")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -134,6 +143,14 @@ class _Request(BaseModel):
     def logprobs_k(self) -> int | None:
         """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
         return None
+
+    def repetition(self, default_window: int) -> int:
+        """The repetition stop's window for this request (0: off)."""
+        if not self.stop_on_repetition:
+            if self.repetition_window is not None:
+                raise ApiError(400, "repetition_window needs stop_on_repetition: true", param="repetition_window")
+            return 0
+        return self.repetition_window or default_window
 
     @property
     def include_usage(self) -> bool:
@@ -215,6 +232,9 @@ class DocQARequest(_Request):
     question: str
     top_k_sources: int = Field(default=4, ge=1, le=32, description="retrieved chunks cited in the prompt")
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)   # answers from documents: greedy by default
+    stop_on_repetition: bool = Field(
+        default=True, description="end the answer (finish_reason \"repetition\") once its newest "
+                                  "`repetition_window` tokens repeat a span it already holds; that repeat is dropped")
 
 
 class DocumentIn(BaseModel):

@@ -304,8 +304,10 @@ class RasdServer:
 
     async def _docqa_stream(self, prepared: Prepared, events: AsyncIterator[tuple[str, Any]]
                             ) -> AsyncIterator[str]:
-        """Events: {"sources": [...]} first, then one {"delta": text, "pieces", "token_sources", "plain_decoding"}
-        per committed block, then the final answer object, then [DONE].
+        """Events: {"sources": [...]} first, then one {"delta": text, "pieces", "token_sources", "step_sources",
+        "plain_decoding"} per committed block (the first token's, then one per verification step), then the final
+        answer object, then [DONE]. `step_sources`: what the step committed, some of it perhaps held back (a
+        possible repetition) and shown by a later block or never (dropped: finish reason "repetition").
 
         `pieces` split `delta` by the token each character came from (`{"text", "source"}`, concatenating to
         `delta`); `token_sources` has one entry per committed token (an EOS or text held back for a possible
@@ -319,7 +321,7 @@ class RasdServer:
                 if kind == "tokens":
                     delta, pieces = text.push(payload.tokens, payload.sources)
                     yield sse({"delta": delta, "pieces": pieces, "token_sources": payload.sources,
-                               "plain_decoding": _plain_view(payload.plain_step_s)})
+                               "step_sources": payload.step, "plain_decoding": _plain_view(payload.plain_step_s)})
                     continue
                 rest, pieces = text.finish(payload.text or "")
                 if rest:

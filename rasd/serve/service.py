@@ -163,7 +163,8 @@ class Service:
                                   presence_penalty=req.presence_penalty,
                                   logit_bias=req.logit_bias_pairs(vocab_size(self.target.model)),
                                   grammar=grammar)
-        return Prepared(prompt_ids, method, max_tokens, sampling, req.stop_list(), sources or [], req.logprobs_k())
+        return Prepared(prompt_ids, method, max_tokens, sampling, req.stop_list(), sources or [], req.logprobs_k(),
+                        req.repetition(self.config.repetition_window))
 
     # ------------------------------------------------------------------ prompts
     def encode_text(self, text: str) -> list[int]:

@@ -29,14 +29,14 @@ def target(service: dict[str, Any]) -> Any:
 
 
 def in_process(target: Any, messages: list[dict[str, str]], max_new: int, method: str = "ar",
-               logprobs: int | None = None, **sampling: Any) -> Any:
+               logprobs: int | None = None, repetition: int = 0, **sampling: Any) -> Any:
     from rasd.decoding.runtime.engine import build_decoder
     from rasd.decoding.step.sampling import SamplingParams
     from rasd.text import encode_chat
 
     ids = encode_chat(target.tokenizer, messages)
     stream = build_decoder(target, method).stream(ids, max_new, SamplingParams(**sampling), target.eos_token_ids,
-                                                  logprobs=logprobs)
+                                                  logprobs=logprobs, repetition=repetition)
     for _ in stream:
         pass
     return stream.output
@@ -72,6 +72,9 @@ REFUSED = [   # (path, extra fields, the field the 400 names)
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"n": 9}, "n"),
     ("/v1/docqa", {"question": "What is a river?", "n": 2}, "n"),
+    ("/v1/chat/completions", {"repetition_window": 16}, "repetition_window"),
+    ("/v1/chat/completions", {"stop_on_repetition": True, "repetition_window": 2}, "repetition_window"),
+    ("/v1/docqa", {"question": "What is a river?", "repetition_window": 5000}, "repetition_window"),
 ]
 
 
@@ -147,6 +150,30 @@ def test_penalties_and_bias_equal_the_in_process_engine(service: dict[str, Any],
     assert r.json()["usage"]["completion_tokens"] == len(ref.token_ids)
     unpenalised = in_process(target, messages, 40)
     assert unpenalised.token_ids != ref.token_ids, "the settings must change the answer for the test to mean much"
+
+
+LOOPING = "What is the capital of France? Explain in detail."   # the embedded model repeats itself here
+
+
+def test_the_repetition_stop_is_asked_for_and_equals_the_engine_streamed_or_not(service: dict[str, Any],
+                                                                                target: Any) -> None:
+    messages = [{"role": "user", "content": LOOPING}]
+    body = {"messages": messages, "max_tokens": 200, "temperature": 0, "method": "pld"}
+    plain = service["client"].post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert plain["finish_reason"] in ("stop", "length")          # off by default on the OpenAI endpoints
+    ref = in_process(target, messages, 200, method="pld", repetition=32)
+    assert ref.finish_reason == "repetition", "the prompt must loop for the test to mean much"
+    asked = {**body, "stop_on_repetition": True}
+    r = service["client"].post("/v1/chat/completions", json=asked)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (ref.text, "repetition")
+    assert r.json()["usage"]["completion_tokens"] == len(ref.token_ids)
+    assert plain["message"]["content"].startswith(ref.text) and len(plain["message"]["content"]) > len(ref.text)
+    events = sse_events(service["client"].post("/v1/chat/completions", json={**asked, "stream": True}))
+    chunks = [e["choices"][0] for e in events if isinstance(e, dict) and e.get("choices")]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == ref.text   # the dropped repeat never sent
+    assert chunks[-1]["finish_reason"] == "repetition"
 
 
 def test_chat_logprobs_equal_the_engine_streamed_or_not(service: dict[str, Any], target: Any) -> None:

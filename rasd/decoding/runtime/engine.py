@@ -204,6 +204,9 @@ class GenerationStream:
         self.token_sources: list[str] = []
         self.last_sources: list[str] = []   # the sources of the last released block
         self.released = 0                    # generated tokens handed out so far (the rest are held back)
+        # per verification step, the sources of the tokens it committed (held back or not); append-only, so a
+        # reader may take step k's entry once step k's block was handed out
+        self.step_log: list[list[str]] = []
         self.logprobs_k = logprobs
         # per committed token when asked for (`logprobs`): kept like token_sources
         self.token_logprobs: list[TokenLogprob] | None = None if logprobs is None else []
@@ -236,9 +239,10 @@ class GenerationStream:
             verify_step: VerifyStep = rows.verify if rows is not None else (
                 lambda tree, params, gen, process: verify(dec.model, cache, tree, params, gen, process))
             while self.reason is None:
+                steps = self.stats.steps
                 with fast_kernels(dec.fast):   # per step: never held across a yield to the caller
                     block = self.step(verify_step)
-                if block:
+                if self.stats.steps > steps:   # one block per step, empty when all it committed is held back
                     yield block
         finally:
             if rows is not None:
@@ -349,7 +353,8 @@ class GenerationStream:
         sources = [tree.sources[i] for i in verdict.accepted]
         stats.record_step(tree.sources[1:], sources, tree.num_draft_tokens, max(tree.depths()))
         self._record_logprobs(logits[[0, *verdict.accepted]], block)
-        self.token_sources += (sources + ["bonus"])[: len(block)]   # a stop condition may have cut the block
+        self.step_log.append((sources + ["bonus"])[: len(block)])   # a stop condition may have cut the block
+        self.token_sources += self.step_log[-1]
         self.context += block
         self.generated += block
         dec.proposer.observe(self.context, tree, verdict, logits)

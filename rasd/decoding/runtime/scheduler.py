@@ -196,8 +196,7 @@ class Scheduler:
             ticket = self._active.get(id(stream))
             if ticket is None:
                 continue
-            if block:
-                ticket.sink("tokens", block)
+            ticket.sink("tokens", block)   # one per step, empty when what it committed is held back
             if stream.output is not None:
                 self._finish(ticket, stream.output)
 

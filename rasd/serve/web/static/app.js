@@ -15,6 +15,9 @@ const SOURCES = {
   prefill: { color: "#cfd4da", label: "target model (first token, prefill)" },
 };
 const KEY_STORAGE = "rasd.apiKey";
+// why an answer ended, in words (the API's finish_reason)
+const FINISHED = { stop: "end of answer", length: "max tokens reached",
+                   repetition: "stopped where the answer began to repeat itself" };
 
 const $ = (id) => document.getElementById(id);
 const state = { controller: null, counts: {}, steps: [], tokens: 0, firstAt: 0, lastAt: 0, plain: null };
@@ -241,8 +244,8 @@ function onTokens(event) {
     state.lastAt = now;
     state.tokens += sources.length;
     for (const s of sources) state.counts[s] = (state.counts[s] || 0) + 1;
-    if (sources[0] !== "prefill") state.steps.push(sources);   // one verification step per later block
   }
+  if (event.step_sources) state.steps.push(event.step_sources);   // one verification step per later block
   if (event.plain_decoding) state.plain = event.plain_decoding;
   appendPieces(event.pieces || (event.delta ? [{ text: event.delta, source: "bonus" }] : []));
   $("status").textContent = `streaming… ${state.tokens} tokens`;
@@ -264,7 +267,9 @@ function onFinal(final) {
     : "✗ counts differ from the API's statistics";
   $("legend-check").dataset.match = String(same);
   const r = final.rasd;
-  $("status").textContent = `done (${final.finish_reason}): ${final.usage.completion_tokens} tokens in ` +
+  $("status").dataset.finish = final.finish_reason;
+  $("status").textContent = `done (${FINISHED[final.finish_reason] || final.finish_reason}): ` +
+    `${final.usage.completion_tokens} tokens in ` +
     `${r.total_time_s.toFixed(2)} s, ${r.steps} steps, mean accepted ${r.mean_accepted_tokens.toFixed(2)}, ` +
     `method ${r.method}, prompt ${final.usage.prompt_tokens} tokens ` +
     `(${(final.usage.prompt_tokens_details || {}).cached_tokens || 0} from the prefix cache)`;
