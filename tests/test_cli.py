@@ -172,6 +172,8 @@ def test_stop_waits_for_serve_only_as_long_as_its_bound() -> None:
     (["bench", "--dataset", "/no/such.jsonl", "--methods", "ar,rasd:histroy=off"],
      "method 'rasd' has no option 'histroy'; valid: "),
     (["bench", "--dataset", "/no/such.jsonl", "--methods", "pld:max_ngram=many"], "max_ngram='many': expected an"),
+    (["bench", "--dataset", "/no/such.jsonl", "--stop-on-repetition", "--repetition-window", "2"],
+     "--repetition-window 2: the repetition window must be an integer from 4 to 1024 tokens"),
     (["load", "--concurrency", "a,b"], "--concurrency needs positive integers"),
 ])
 def test_bench_and_load_arguments_give_one_line_error_before_a_model_loads(

@@ -1,6 +1,7 @@
 """Benchmark aggregation: per-category and overall totals (sum of tokens / sum of time, the headline),
 per-prompt medians (a single slow prompt on a noisy machine can move a ratio of sums), speedups against `hf`
-and `ar` measured in the same run, greedy match rates against the reference, per-step statistics."""
+and `ar` measured in the same run, the same speedups on the prompts whose reference answer does not loop
+(`looping`), greedy match rates against the reference, per-step statistics."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from rasd.eval.looping import answer_reference, looping_indices, looping_section
 from rasd.eval.runners import RunRecord, split_dtype
 
 if TYPE_CHECKING:
@@ -16,7 +18,8 @@ if TYPE_CHECKING:
 
 OVERALL = "overall"
 SUMMARY_KEYS = ("tokens_per_s", "e2e_tokens_per_s", "speedup_vs_hf", "speedup_vs_ar", "median_speedup_vs_hf",
-                "median_speedup_vs_ar", "mean_accepted_tokens", "greedy_match_rate", "num_prompts")
+                "median_speedup_vs_ar", "tokens_per_s_not_looping", "speedup_vs_hf_not_looping",
+                "speedup_vs_ar_not_looping", "num_looping", "mean_accepted_tokens", "greedy_match_rate", "num_prompts")
 
 def _ratio(num: float | None, den: float | None) -> float | None:
     """num / den, or None where either is missing or the denominator is not positive."""
@@ -87,9 +90,13 @@ def _by_method(records: Sequence[RunRecord]) -> dict[str, dict[int, RunRecord]]:
 
 
 def _group_summary(records: Sequence[RunRecord], by_method: dict[str, dict[int, RunRecord]],
-                   reference: str | None) -> dict[str, Any]:
-    """summarize_group plus the per-prompt quantities that need the other methods' records."""
+                   reference: str | None, looping: set[int]) -> dict[str, Any]:
+    """summarize_group plus the per-prompt quantities that need the other methods' records, and the decode speed
+    on the prompts whose reference answer does not loop."""
     summary = summarize_group(records)
+    summary["tokens_per_s_not_looping"] = summarize_group([r for r in records
+                                                           if r.index not in looping])["tokens_per_s"]
+    summary["num_looping"] = sum(r.index in looping for r in records)
     for base in ("hf", "ar"):
         others = by_method.get(base)
         if not others:
@@ -101,17 +108,20 @@ def _group_summary(records: Sequence[RunRecord], by_method: dict[str, dict[int, 
     return summary
 
 
-def aggregate(records: Sequence[RunRecord], methods: Sequence[str], greedy: bool = True) -> dict[str, Any]:
-    """The `methods` section of results.json: overall and per-category summaries with speedups."""
+def aggregate(records: Sequence[RunRecord], methods: Sequence[str], greedy: bool = True,
+              looping: set[int] | None = None) -> dict[str, Any]:
+    """The `methods` section of results.json: overall and per-category summaries with speedups; `looping`: the
+    prompt indices whose reference answer loops, left out of the `*_not_looping` keys."""
     reference = greedy_reference(methods, greedy)
     by_method = _by_method(records)
     categories = sorted({r.category for r in records})
+    loops = looping or set()
     out: dict[str, Any] = {}
     for name in methods:
         mine = [r for r in records if r.method == name]
         own = reference_for(name, methods, reference)
-        entry = _group_summary(mine, by_method, own)
-        entry["per_category"] = {c: _group_summary([r for r in mine if r.category == c], by_method, own)
+        entry = _group_summary(mine, by_method, own, loops)
+        entry["per_category"] = {c: _group_summary([r for r in mine if r.category == c], by_method, own, loops)
                                  for c in categories}
         out[name] = entry
     _add_speedups(out)
@@ -119,15 +129,17 @@ def aggregate(records: Sequence[RunRecord], methods: Sequence[str], greedy: bool
 
 
 def _add_speedups(methods: dict[str, Any]) -> None:
-    """speedup_vs_X = tokens_per_s / X's tokens_per_s on the same prompts (null if X was not run)."""
+    """speedup_vs_X = tokens_per_s / X's tokens_per_s on the same prompts (null if X was not run); the same on the
+    prompts whose reference answer does not loop (`speedup_vs_X_not_looping`)."""
     for entry in methods.values():
         for base in ("hf", "ar"):
             other = methods.get(base)
-            key = f"speedup_vs_{base}"
-            entry[key] = _ratio(entry["tokens_per_s"], other["tokens_per_s"]) if other else None
-            for cat, summary in entry["per_category"].items():
-                ref = other["per_category"].get(cat) if other else None
-                summary[key] = _ratio(summary["tokens_per_s"], ref["tokens_per_s"]) if ref else None
+            groups = [(entry, other)] + [(summary, other["per_category"].get(cat) if other else None)
+                                         for cat, summary in entry["per_category"].items()]
+            for summary, ref in groups:
+                for speed, key in (("tokens_per_s", f"speedup_vs_{base}"),
+                                   ("tokens_per_s_not_looping", f"speedup_vs_{base}_not_looping")):
+                    summary[key] = _ratio(summary[speed], ref[speed]) if ref else None
 
 
 def _order_keys(entry: dict[str, Any]) -> dict[str, Any]:
@@ -144,7 +156,8 @@ def build_results(meta: dict[str, Any], records: Sequence[RunRecord], methods: S
     results = {key: meta.get(key) for key in ("model", "device", "dtype", "torch_threads", "max_new_tokens")}
     results.update({k: v for k, v in meta.items() if k not in results})
     results["greedy_reference"] = greedy_reference(methods, greedy)
-    results["methods"] = aggregate(records, methods, greedy)
+    results["looping"] = looping_section(records, answer_reference(methods, results["greedy_reference"]))
+    results["methods"] = aggregate(records, methods, greedy, looping_indices(results["looping"]))
     results["step_stats"] = {name: step_stats([r for r in records if r.method == name]) for name in methods}
     return results
 

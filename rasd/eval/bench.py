@@ -10,6 +10,10 @@ Why it is built the way it is:
   beside it includes prefill. For HF the first token's arrival is taken from a streamer.
 - Totals (sum of tokens / sum of time) are the headline; per-prompt medians are kept as well because a
   single slow prompt on a noisy machine can move a ratio of sums.
+- A looping answer is decoded almost for free by copy-based drafting, so every speedup is also given on the
+  answers that do not loop (`looping`); `--stop-on-repetition` ends loops in every method and baseline alike.
+- On LongBench rows the reference answers are scored with LongBench's own metrics (`quality`) once per run: all
+  lossless methods give the same answer, so quality belongs to the model, prompt and retrieval, not the method.
 
 Data files are read where they are (e.g. `../shared/data`), never copied.
 """
@@ -24,9 +28,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rasd.decoding.runtime.repetition import DEFAULT_WINDOW, check_window
 from rasd.eval.aggregate import build_results
 from rasd.eval.bench_output import format_table, plot_speedups, write_answers, write_results
 from rasd.eval.datasets import BenchItem, BenchPrompt, load_items, prepare_prompts
+from rasd.eval.quality import format_quality, quality_section
 from rasd.eval.runners import LLAMACPP, Runner, RunRecord, SamplingConfig, make_runner, run_prompts, split_dtype
 
 if TYPE_CHECKING:
@@ -45,6 +51,7 @@ class BenchConfig:
     warmup: bool = True
     progress: bool = True
     gguf: Path | None = None     # the file `llamacpp` runs (None: the embedded model's own, for `default`)
+    repetition: int = 0          # the repetition stop's window for every method and baseline (0: off)
 
 
 def run_benchmark(target: LoadedModel, prompts: Sequence[BenchPrompt], config: BenchConfig,
@@ -62,12 +69,14 @@ def run_benchmark(target: LoadedModel, prompts: Sequence[BenchPrompt], config: B
                  "torch_threads": torch.get_num_threads(), "max_new_tokens": config.max_new_tokens,
                  "draft_model": draft.name if draft is not None else None,
                  "temperature": config.sampling.temperature, "top_p": config.sampling.top_p,
-                 "top_k": config.sampling.top_k, "seed": config.sampling.seed, "num_prompts": len(prompts)}
+                 "top_k": config.sampling.top_k, "seed": config.sampling.seed, "num_prompts": len(prompts),
+                 "repetition_window": config.repetition or None}
     for runner in runners:
         base_meta.update(getattr(runner, "meta", {}))
     base_meta.update(meta or {})
     results = build_results(base_meta, records, config.methods, config.sampling.greedy)
     results["cost_curves"] = _used_curves(runners)
+    results["quality"] = quality_section(prompts, records, results["looping"]["reference"], target.tokenizer)
     if LLAMACPP in config.methods and results["greedy_reference"] not in (None, LLAMACPP):
         from rasd.eval.llamacpp import first_differences
 
@@ -78,7 +87,7 @@ def run_benchmark(target: LoadedModel, prompts: Sequence[BenchPrompt], config: B
 def _runner(name: str, target: LoadedModel, config: BenchConfig, draft: LoadedModel | None) -> Runner:
     """`llamacpp` on its GGUF file with torch's thread count (`--threads`), every other method by `make_runner`."""
     if name != LLAMACPP:
-        return make_runner(name, target, config.sampling, draft)
+        return make_runner(name, target, config.sampling, draft, config.repetition)
     import torch
 
     from rasd.eval.llamacpp import LlamaCppRunner, resolve_gguf
@@ -86,7 +95,7 @@ def _runner(name: str, target: LoadedModel, config: BenchConfig, draft: LoadedMo
     gguf = config.gguf or resolve_gguf(target.name, None)
     vocab = getattr(target.model.config, "vocab_size", None)
     return LlamaCppRunner(gguf, config.sampling, target.eos_token_ids, torch.get_num_threads(),
-                          gpu=str(target.device).startswith("cuda"), vocab_size=vocab)
+                          gpu=str(target.device).startswith("cuda"), vocab_size=vocab, repetition=config.repetition)
 
 
 def _used_curves(runners: Sequence[Runner]) -> list[dict[str, Any]]:
@@ -147,6 +156,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", default=None, metavar="PATH",
                         help="the GGUF file the llamacpp baseline runs (default: the embedded model's own, for "
                              "--model default; required for any other --model)")
+    parser.add_argument("--stop-on-repetition", action="store_true",
+                        help="end an answer once its newest tokens repeat a span it already holds, dropping them "
+                             "(every method and baseline alike: the engine's `repetition` rule)")
+    parser.add_argument("--repetition-window", type=int, default=None, metavar="N",
+                        help=f"with --stop-on-repetition: tokens that must repeat (default {DEFAULT_WINDOW})")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--out", default=None, help="write results.json here")
@@ -175,6 +189,7 @@ def _validate(args: argparse.Namespace, methods: list[str]) -> None:
         raise ValueError("method hf-assisted needs --draft-model")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
+    repetition_window(args)
     from rasd.decoding.model.loading import check_dtype
     from rasd.decoding.proposers.registry import METHODS, method_variant
     from rasd.eval.runners import BASELINES, HF_METHODS
@@ -194,6 +209,19 @@ def _validate(args: argparse.Namespace, methods: list[str]) -> None:
             except ValueError as exc:
                 hint = f" (or a baseline: {', '.join(BASELINES)})" if name.partition(":")[0] not in METHODS else ""
                 raise ValueError(f"{exc}{hint}") from exc
+
+
+def repetition_window(args: argparse.Namespace) -> int:
+    """The repetition stop's window from the flags (0: off); a window out of range is a one-line error."""
+    if args.repetition_window is not None and not args.stop_on_repetition:
+        raise ValueError("--repetition-window needs --stop-on-repetition")
+    if not args.stop_on_repetition:
+        return 0
+    window = DEFAULT_WINDOW if args.repetition_window is None else args.repetition_window
+    try:
+        return check_window(window)
+    except ValueError as exc:
+        raise ValueError(f"--repetition-window {window}: {exc}") from exc
 
 
 def _llamacpp_gguf(args: argparse.Namespace, methods: list[str]) -> Path | None:
@@ -229,12 +257,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     if not prompts:
         raise CliError("every prompt was skipped")
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
-    config = BenchConfig(methods, args.max_new_tokens, sampling, not args.no_warmup, not args.no_progress, gguf)
+    config = BenchConfig(methods, args.max_new_tokens, sampling, not args.no_warmup, not args.no_progress, gguf,
+                         repetition_window(args))
     meta = {"dataset": str(args.dataset), "task": args.task, "index": args.index, "categories": args.category,
             "limit": args.limit, "truncated_prompts": sum(p.truncated_tokens > 0 for p in prompts),
             "skipped_prompts": max(len(items) - len(prompts), 0)}
     results, records = run_benchmark(target, prompts, config, draft, meta)
     print(format_table(results))
+    print(format_quality(results["quality"]))
     if results.get("llamacpp_first_difference") is not None:
         from rasd.eval.llamacpp import format_first_differences
 

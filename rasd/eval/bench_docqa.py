@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rasd.eval.datasets import BenchItem, BenchPrompt, read_jsonl
+from rasd.eval.datasets import BenchItem, BenchPrompt, gold_answers, read_jsonl
 
 PASSAGE = re.compile(r"(?:^|\n)Passage \d+:\n")
 
@@ -46,7 +46,7 @@ def qa_rows(path: str | Path, categories: Sequence[str] | None = None,
             continue
         per_category[category] = per_category.get(category, 0) + 1
         qid = f"{dataset or 'row'}-{record.get('source_key', i)}"
-        rows.append((BenchItem(qid, category, question, context, dataset), context, question))
+        rows.append((BenchItem(qid, category, question, context, dataset, *gold_answers(record)), context, question))
     if not rows:
         raise ValueError(f"no rows with both context and question in {path}")
     return rows
@@ -77,7 +77,8 @@ def row_index(context: str, source: str, model: str, log: Callable[[str], None])
 
 def prepare_docqa_prompts(path: str | Path, categories: Sequence[str] | None, limit: int | None, target: Any,
                           max_new_tokens: int, top_k: int, log: Callable[[str], None]) -> list[BenchPrompt]:
-    """Retrieve and build each QA row's prompt (untimed); attach the row's RetrievalScope."""
+    """Retrieve and build each QA row's prompt (untimed); attach the row's RetrievalScope and the retrieved chunks'
+    text (the evidence `quality` looks for the gold answer in)."""
     from rasd.apps.docqa import DocQA
 
     prompts: list[BenchPrompt] = []
@@ -87,5 +88,5 @@ def prepare_docqa_prompts(path: str | Path, categories: Sequence[str] | None, li
         ids, sources = qa.prepare(question)
         doc_ids = list(dict.fromkeys(s.doc_id for s in sources))
         scope = RetrievalScope(index.datastores(), index.document_tokens(doc_ids) if doc_ids else [])
-        prompts.append(BenchPrompt(len(prompts), item, ids, scope=scope))
+        prompts.append(BenchPrompt(len(prompts), item, ids, scope=scope, evidence=[s.text for s in sources]))
     return prompts

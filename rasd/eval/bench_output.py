@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rasd.eval.aggregate import OVERALL
+from rasd.eval.looping import looping_line
 from rasd.eval.runners import RunRecord
 from rasd.fsio import atomic_file
 
@@ -20,27 +21,36 @@ def _fmt(value: float | None, pattern: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, pattern) + suffix
 
 
+def speedup_base(results: dict[str, Any]) -> str:
+    """The baseline the headline speedups are against: HF greedy where it ran, else our `ar`."""
+    return "hf" if "hf" in results["methods"] else "ar"
+
+
 def format_table(results: dict[str, Any]) -> str:
-    """A plain-text table: one row per (category, method), the overall rows last."""
+    """A plain-text table: one row per (category, method), the overall rows last; under it what `not loop` means
+    and how many reference answers loop."""
     methods = results["methods"]
+    base = speedup_base(results)
     categories = sorted({c for entry in methods.values() for c in entry["per_category"]})
     width = max([12, *(len(name) for name in methods)])     # variants like rasd:history=off fit whole
     header = (f"{'category':<16} {'method':<{width}} {'tok/s':>7} {'e2e':>7} {'vs hf':>6} {'med':>6} "
-              f"{'vs ar':>6} {'acc':>5} {'match':>5} {'n':>3}")
+              f"{'vs ar':>6} {'not loop':>8} {'acc':>5} {'match':>5} {'n':>3}")
     lines = [header, "-" * len(header)]
     for cat in [*categories, OVERALL]:
         for name, entry in methods.items():
             s = entry if cat == OVERALL else entry["per_category"].get(cat)
             if s is None:
                 continue
-            lines.append(_table_row(cat, name, s, width))
+            lines.append(_table_row(cat, name, s, width, base))
+    lines.append(f"not loop: speedup vs {base} on the answers that do not loop; {looping_line(results.get('looping'))}")
     return "\n".join(lines)
 
 
-def _table_row(category: str, method: str, s: dict[str, Any], width: int = 12) -> str:
+def _table_row(category: str, method: str, s: dict[str, Any], width: int = 12, base: str = "hf") -> str:
     return (f"{category[:16]:<16} {method:<{width}} {_fmt(s['tokens_per_s'], '7.2f'):>7} "
             f"{_fmt(s['e2e_tokens_per_s'], '7.2f'):>7} {_fmt(s['speedup_vs_hf'], '.2f', 'x'):>6} "
             f"{_fmt(s['median_speedup_vs_hf'], '.2f', 'x'):>6} {_fmt(s['speedup_vs_ar'], '.2f', 'x'):>6} "
+            f"{_fmt(s.get(f'speedup_vs_{base}_not_looping'), '.2f', 'x'):>8} "
             f"{_fmt(s['mean_accepted_tokens'], '5.2f'):>5} {_fmt(s['greedy_match_rate'], '5.2f'):>5} "
             f"{s['num_prompts']:>3}")
 
@@ -77,32 +87,8 @@ def write_answers(path: str | Path, records: Sequence[RunRecord], tokenizer: Any
 
 
 def plot_speedups(results: dict[str, Any], path: str | Path) -> None:
-    """Grouped bars: speedup vs HF greedy (vs `ar` if HF was not run) per category, one bar per method."""
-    import matplotlib
+    """Grouped bars per category: each method's speedup vs HF greedy (vs `ar` if HF was not run), solid on every
+    answer and hatched on the answers that do not loop (the report's speedup plot, written on its own)."""
+    from rasd.eval.report import plot_speedup_split
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = results["methods"]
-    base = "hf" if "hf" in methods else "ar"
-    names = [m for m in methods if m != base]
-    categories = sorted({c for e in methods.values() for c in e["per_category"]}) + [OVERALL]
-    width = 0.8 / max(len(names), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(categories) + 2), 4.5))
-    for i, name in enumerate(names):
-        entry = methods[name]
-        groups = [entry if c == OVERALL else entry["per_category"].get(c, {}) for c in categories]
-        values = [g.get(f"speedup_vs_{base}") or 0.0 for g in groups]
-        offset = (i - (len(names) - 1) / 2) * width
-        bars = ax.bar([x + offset for x in range(len(categories))], values, width, label=name)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
-    ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
-    ax.set_ylabel(f"decode speedup vs {base}")
-    ax.set_title(f"{results.get('model')} on {results.get('device')} ({results.get('dtype')}), "
-                 f"{results.get('max_new_tokens')} new tokens")
-    if names:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_speedup_split(results, Path(path), speedup_base(results))

@@ -32,6 +32,8 @@ class BenchItem:
     text: str
     context: str | None = None
     dataset: str | None = None
+    answers: list[str] | None = None        # gold answers (LongBench), scored by `quality`
+    all_classes: list[str] | None = None    # the label set of a classification dataset (LongBench trec)
 
 
 @dataclass
@@ -43,6 +45,7 @@ class BenchPrompt:
     input_ids: list[int]
     truncated_tokens: int = 0
     scope: Any = None          # RetrievalScope (bench_docqa) for retrieval methods, None otherwise
+    evidence: list[str] | None = None   # docqa: the text of the retrieved chunks the prompt was built from
 
 
 def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
@@ -64,19 +67,32 @@ def parse_record(record: dict[str, Any], index: int, default_category: str) -> B
     category = str(record.get("category") or dataset or default_category)
     qid = _question_id(record, index)
     context = record.get("context") if isinstance(record.get("context"), str) else None
+    gold = gold_answers(record)
     turns = record.get("turns")
     if isinstance(turns, list) and turns and isinstance(turns[0], str):
-        return BenchItem(qid, category, turns[0], None, dataset)
+        return BenchItem(qid, category, turns[0], None, dataset, *gold)
     prompt = record.get("prompt")
     if isinstance(prompt, str) and prompt.strip():
         usable = context if context and context in prompt else None
-        return BenchItem(qid, category, prompt, usable, dataset)
+        return BenchItem(qid, category, prompt, usable, dataset, *gold)
     question = record.get("question")
     if isinstance(question, str) and question.strip():
         if context:
-            return BenchItem(qid, category, f"{context}\n\n{question}", context, dataset)
-        return BenchItem(qid, category, question, None, dataset)
+            return BenchItem(qid, category, f"{context}\n\n{question}", context, dataset, *gold)
+        return BenchItem(qid, category, question, None, dataset, *gold)
     return None
+
+
+def gold_answers(record: dict[str, Any]) -> tuple[list[str] | None, list[str] | None]:
+    """(gold answers, classification labels) of a row: LongBench's `answers` list and `all_classes`, or the
+    `{"answers": [...], "all_classes": [...]}` object some LongBench exports put under `answers` (trec)."""
+    answers, classes = record.get("answers"), record.get("all_classes")
+    if isinstance(answers, dict):
+        answers, classes = answers.get("answers"), answers.get("all_classes", classes)
+    if isinstance(answers, str):
+        answers = [answers]
+    good = [str(a) for a in answers] if isinstance(answers, list) and answers else None
+    return good, [str(c) for c in classes] if isinstance(classes, list) else None
 
 
 def _question_id(record: dict[str, Any], index: int) -> str | int:

@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from rasd.eval.datasets import BenchPrompt
-from rasd.eval.runners import LLAMACPP, RunRecord, SamplingConfig
+from rasd.eval.runners import LLAMACPP, RepeatCut, RunRecord, SamplingConfig
 from rasd.paths import DEFAULT_MODEL
 
 INSTALL_HINT = ("llamacpp needs llama-cpp-python: pip install 'rasd[llamacpp]' "
@@ -75,7 +75,7 @@ class LlamaCppRunner:
     for the whole bench, so no load happens inside a timed run)."""
 
     def __init__(self, gguf: Path, sampling: SamplingConfig, eos_ids: Iterable[int], n_threads: int,
-                 gpu: bool = False, vocab_size: int | None = None) -> None:
+                 gpu: bool = False, vocab_size: int | None = None, repetition: int = 0) -> None:
         self.name = LLAMACPP
         self.gguf = Path(gguf)
         self.sampling = sampling
@@ -83,6 +83,7 @@ class LlamaCppRunner:
         self.n_threads = n_threads
         self.gpu = gpu                      # --device cuda: offload every layer (a CPU-only build ignores it)
         self.vocab_size = vocab_size        # the target's, to refuse a GGUF of another tokenizer
+        self.repetition = repetition        # the repetition stop's window (0: off), cut as the engine cuts
         self.llm: Any = None
 
     @property
@@ -115,27 +116,42 @@ class LlamaCppRunner:
         llm.reset()   # no KV reuse from the last run's matching prefix: every prompt pays its prefill, as in `hf`
         if seed is not None:
             llm.set_seed(seed)
-        tokens: list[int] = []
-        first: float | None = None
         start = time.perf_counter()
         stream = llm.generate(list(prompt_ids), reset=True, **sampling_kwargs(self.sampling))
+        cut = RepeatCut(self.repetition, self.eos_ids) if self.repetition else None
         try:
-            for token in stream:
-                if first is None:
-                    first = time.perf_counter()
-                tokens.append(int(token))
-                if tokens[-1] in self.eos_ids or len(tokens) >= max_new_tokens:
-                    break
+            tokens, finish, first = read_tokens(stream, self.eos_ids, max_new_tokens, cut)
         finally:
             stream.close()
         end = time.perf_counter()
-        return plain_record(tokens, self.eos_ids, start, first if first is not None else end, end)
+        return plain_record(tokens, self.eos_ids, start, first if first is not None else end, end, finish)
 
 
-def plain_record(tokens: list[int], eos_ids: set[int], start: float, first: float, end: float) -> RunRecord:
+def read_tokens(stream: Iterable[int], eos_ids: set[int], max_new_tokens: int,
+                cut: RepeatCut | None = None) -> tuple[list[int], str, float | None]:
+    """Take a plain decoder's tokens until EOS, the repetition stop or `max_new_tokens`, checked per token in the
+    engine's order: (the tokens, the repeated window dropped when the rule fired; finish reason; first token's
+    arrival time)."""
+    tokens: list[int] = []
+    first: float | None = None
+    for token in stream:
+        if first is None:
+            first = time.perf_counter()
+        tokens.append(int(token))
+        if tokens[-1] in eos_ids:
+            return tokens, "eos", first
+        if cut is not None and cut.feed(tokens):
+            return cut.cut(tokens)[0], "repetition", first
+        if len(tokens) >= max_new_tokens:
+            break
+    return tokens, "length", first
+
+
+def plain_record(tokens: list[int], eos_ids: set[int], start: float, first: float, end: float,
+                 finish: str | None = None) -> RunRecord:
     """A plain decoder's record: the first token comes from prefill, each later one from one forward."""
     steps = max(len(tokens) - 1, 0)
-    finish = "eos" if tokens and tokens[-1] in eos_ids else "length"
+    finish = finish or ("eos" if tokens and tokens[-1] in eos_ids else "length")
     return RunRecord(method=LLAMACPP, index=-1, question_id="", category="", token_ids=tokens,
                      finish_reason=finish, prefill_time_s=first - start, decode_time_s=end - first,
                      total_time_s=end - start, decode_tokens=steps, steps=steps,

@@ -10,7 +10,8 @@ Writes into DIR a `report.md` with PNG plots beside it, and `report.html`: the s
 embedded (base64), so that one file can be mailed or attached. Everything comes from results.json alone, so
 a report can be rebuilt from committed results without running the benchmark again:
 
-1. `speedup.png`: decode speedup vs HF greedy (vs `ar` without HF) per category, one bar per method;
+1. `speedup.png`: decode speedup vs HF greedy (vs `ar` without HF) per category, one bar per method on every
+   answer and a hatched one on the answers that do not loop (`looping`);
 2. `accepted_tokens.png`: mean tokens committed per target forward, per category and method;
 3. `position_acceptance.png`: of the steps whose verified tree reached draft depth d, the share that
    accepted the token at depth d (results.json `step_stats[method].position_acceptance`);
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rasd.eval.looping import format_counts, looping_line
+
 OVERALL = "overall"
 SOURCE_ORDER = ("context", "documents", "datastore", "retrieval", "history", "draft", "eagle", "recycling", "grammar",
                 "bonus")
@@ -46,13 +49,16 @@ SOURCE_COLOURS = {"context": "#4c72b0", "documents": "#55a868", "datastore": "#8
                   "recycling": "#c44e52", "bonus": "#b0b0b0"}
 # The summary table: (results.json key, column title, format). The test parses these back.
 TABLE_COLUMNS = (("tokens_per_s", "tok/s", ".2f"), ("e2e_tokens_per_s", "e2e tok/s", ".2f"),
-                 ("speedup_vs_hf", "vs hf", ".2f"), ("median_speedup_vs_hf", "median vs hf", ".2f"),
-                 ("speedup_vs_ar", "vs ar", ".2f"), ("mean_accepted_tokens", "mean acc.", ".2f"),
-                 ("greedy_match_rate", "match", ".2f"), ("num_prompts", "n", "d"))
+                 ("speedup_vs_hf", "vs hf", ".2f"), ("speedup_vs_hf_not_looping", "vs hf (not looping)", ".2f"),
+                 ("median_speedup_vs_hf", "median vs hf", ".2f"), ("speedup_vs_ar", "vs ar", ".2f"),
+                 ("speedup_vs_ar_not_looping", "vs ar (not looping)", ".2f"),
+                 ("mean_accepted_tokens", "mean acc.", ".2f"), ("greedy_match_rate", "match", ".2f"),
+                 ("num_prompts", "n", "d"))
 META_FIELDS = (("model", "model"), ("draft_model", "draft model"), ("device", "device"), ("dtype", "dtype"),
                ("torch_threads", "torch threads"), ("dataset", "dataset"), ("task", "task"),
                ("categories", "categories"), ("limit", "limit per category"), ("num_prompts", "prompts"),
                ("max_new_tokens", "max new tokens"), ("temperature", "temperature"),
+               ("repetition_window", "stop on repetition (window)"),
                ("greedy_reference", "greedy reference"), ("truncated_prompts", "truncated prompts"),
                ("skipped_prompts", "skipped prompts"), ("gguf", "llamacpp GGUF"),
                ("llamacpp_version", "llama-cpp-python"), ("llamacpp_threads", "llamacpp threads"), ("date", "date"))
@@ -63,11 +69,13 @@ META_FIELDS = (("model", "model"), ("draft_model", "draft model"), ("device", "d
 
 def speed_table(results: dict[str, Any], focus: Sequence[str], baseline: str) -> str:
     """One row per category (then overall): every method's decode tok/s, and for each `focus` method its
-    speedup over `baseline` (tokens-weighted mean and per-prompt median), mean accepted tokens and match."""
+    speedup over `baseline` (tokens-weighted mean, the same on the answers that do not loop, per-prompt median),
+    mean accepted tokens and match; under it, how many answers loop (results that record it)."""
     methods = list(results["methods"])
     head = ["category"] + [f"{m} tok/s" for m in methods]
     for m in focus:
-        head += [f"{m} vs {baseline}", f"{m} median", f"{m} mean acc.", f"{m} match"]
+        head += [f"{m} vs {baseline}", f"{m} vs {baseline} (not looping)", f"{m} median", f"{m} mean acc.",
+                 f"{m} match"]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for cat in categories_of(results) + [OVERALL]:
         row = [f"**{cat}**" if cat == OVERALL else cat]
@@ -75,9 +83,12 @@ def speed_table(results: dict[str, Any], focus: Sequence[str], baseline: str) ->
         row += [_fmt(entries[m].get("tokens_per_s"), ".1f") for m in methods]
         for m in focus:
             e = entries[m]
-            row += [_times(e.get(f"speedup_vs_{baseline}")), _times(e.get(f"median_speedup_vs_{baseline}")),
-                    _fmt(e.get("mean_accepted_tokens"), ".2f"), _fmt(e.get("greedy_match_rate"), ".2f")]
+            row += [_times(e.get(f"speedup_vs_{baseline}")), _times(e.get(f"speedup_vs_{baseline}_not_looping")),
+                    _times(e.get(f"median_speedup_vs_{baseline}")), _fmt(e.get("mean_accepted_tokens"), ".2f"),
+                    _fmt(e.get("greedy_match_rate"), ".2f")]
         lines.append("| " + " | ".join(row) + " |")
+    if results.get("looping"):
+        lines += ["", looping_line(results["looping"])]
     return "\n".join(lines)
 
 
@@ -271,6 +282,40 @@ def plot_per_category(results: dict[str, Any], path: Path, key: str, ylabel: str
     return None
 
 
+def plot_speedup_split(results: dict[str, Any], path: Path, base: str) -> str | None:
+    """Grouped bars per category (and overall): each method's speedup vs `base`, solid on every answer and hatched
+    beside it on the answers that do not loop (where the results record it)."""
+    key, split = f"speedup_vs_{base}", f"speedup_vs_{base}_not_looping"
+    methods = {n: e for n, e in results.get("methods", {}).items() if n != base}
+    categories = [*categories_of(results), OVERALL]
+    names = [n for n, e in methods.items() if any((summary_of(e, c) or {}).get(key) is not None for c in categories)]
+    if not names:
+        return f"no method has `{key}` in these results"
+    keys = [key] + ([split] if any((summary_of(methods[n], c) or {}).get(split) is not None
+                                   for n in names for c in categories) else [])
+    plt = _pyplot()
+    bars = len(names) * len(keys)
+    width = 0.8 / bars
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * bars * len(categories) + 2.5), 4.5))
+    for i, name in enumerate(names):
+        for j, k in enumerate(keys):
+            values = [(summary_of(methods[name], c) or {}).get(k) for c in categories]
+            offset = (i * len(keys) + j - (bars - 1) / 2) * width
+            drawn = ax.bar([x + offset for x in range(len(categories))], [v or 0.0 for v in values], width,
+                           color=f"C{i}", alpha=0.5 if j else 1.0, hatch="//" if j else None,
+                           label=f"{name}, not looping" if j else name)
+            ax.bar_label(drawn, labels=[_fmt(v, ".2f") for v in values], fontsize=6, rotation=90, padding=2)
+    ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+    ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
+    ax.set_ylabel(f"decode speedup vs {base}")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+    loops = (results.get("looping") or {}).get("overall")
+    ax.set_title(_title(results) + (f"\nlooping answers: {format_counts(loops)}" if loops else ""), fontsize=10)
+    ax.legend(fontsize=8, ncol=min(bars, 6))
+    _save(fig, path)
+    return None
+
+
 def plot_position_acceptance(results: dict[str, Any], path: Path) -> str | None:
     """Acceptance rate per draft depth, one line per method with per-step tree depths."""
     stats = results.get("step_stats") or {}
@@ -456,15 +501,37 @@ def _summary(report: Report, results: dict[str, Any]) -> None:
     report.para("Decode-phase tokens per second (prefill excluded) and ratios of sums over each group's prompts; "
                 "`median vs hf` is the median of per-prompt ratios; `mean acc.` is tokens committed per target "
                 "forward (bonus token included, plain decoding = 1.00); `match` is the share of prompts whose "
-                f"tokens equal `{results.get('greedy_reference') or '-'}` token for token.")
+                f"tokens equal `{results.get('greedy_reference') or '-'}` token for token; `(not looping)` is the "
+                "same speedup on the prompts whose reference answer does not loop.")
     report.table(["category", "method", *(title for _, title, _ in TABLE_COLUMNS)], summary_rows(results),
                  right_from=2)
+    if results.get("looping"):
+        report.para(looping_line(results["looping"]) + ".")
+    else:
+        report.note("these results do not record which answers loop (written before `looping` existed).")
     if results.get("llamacpp_first_difference"):
         from rasd.eval.llamacpp import format_first_differences
 
         report.para(format_first_differences(results["llamacpp_first_difference"], results["greedy_reference"])
                     + " (llama.cpp runs its own kernels, the activations of its products quantized to 8 bits: "
                     "its greedy output can leave the reference's where two logits are close).")
+
+
+def _quality(report: Report, results: dict[str, Any]) -> None:
+    """Answer quality per category on the reference's answers (LongBench rows), with its notes."""
+    section = results.get("quality")
+    if not section:
+        return
+    from rasd.eval.quality import HEADER, notes, table_rows
+
+    report.heading("Answer quality", 2)
+    report.para(f"`{section['reference']}`'s answers scored with LongBench v1's metric of each row's dataset (the "
+                "best over the gold answers; mean per category over the scored rows); evidence recall: the share "
+                "of rows whose retrieved chunks contain a gold answer (normalized; in brackets the rows with "
+                "retrieved chunks).")
+    report.table(list(HEADER), [[f"**{r[0]}**" if r[0] == OVERALL else r[0], *r[1:]] for r in table_rows(section)])
+    for line in notes(section):
+        report.note(line + ".")
 
 
 def _position_table(report: Report, results: dict[str, Any], max_depth: int = 8) -> None:
@@ -551,6 +618,7 @@ def write_report(results: dict[str, Any], out_dir: str | Path, source: str | Non
     report.heading(title, 1)
     _metadata(report, results, source)
     _summary(report, results)
+    _quality(report, results)
 
     def section(heading: str, filename: str, text: str, draw: Callable[[Path], str | None],
                 after: Callable[[], None] | None = None) -> None:
@@ -571,9 +639,9 @@ def write_report(results: dict[str, Any], out_dir: str | Path, source: str | Non
         report.note("no plot: neither `hf` nor `ar` was run, so there is no baseline to compare with.")
     else:
         section(f"Speedup vs {base}", "speedup.png",
-                f"Decode tokens per second over `{base}`'s on the same prompts (dashed line: 1x).",
-                lambda p: plot_per_category(results, p, f"speedup_vs_{base}", f"decode speedup vs {base}",
-                                            skip=(base,)))
+                f"Decode tokens per second over `{base}`'s on the same prompts (dashed line: 1x); hatched: on the "
+                "prompts whose reference answer does not loop.",
+                lambda p: plot_speedup_split(results, p, base))
     section("Mean accepted tokens", "accepted_tokens.png",
             "Tokens committed per target forward, bonus token included (plain decoding = 1).",
             lambda p: plot_per_category(results, p, "mean_accepted_tokens", "tokens per target forward"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -104,6 +104,61 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class RepeatCut:
+    """The engine's repetition stop (`decoding.runtime.repetition`) for a baseline that decodes without it (HF
+    `generate`, llama.cpp): it follows the output token by token, in the engine's order (EOS ends the answer before
+    the rule sees it), and cuts where the engine would, so `--stop-on-repetition` compares the same answers.
+
+    `feed` takes the whole new output so far and reads only what it has not seen (cheap per step, also when a step
+    adds several tokens); tokens decoded after the rule fired are dropped with the repeated window."""
+
+    def __init__(self, window: int, eos_ids: Iterable[int]) -> None:
+        from rasd.decoding.runtime.repetition import RepeatWatch
+
+        self.watch = RepeatWatch(window)
+        self.eos_ids = {int(e) for e in eos_ids}
+        self.seen = 0
+        self.done = False
+        self.fired_at: int | None = None     # the number of new tokens after which the rule fired
+
+    def feed(self, new_tokens: Sequence[int]) -> bool:
+        """Follow the output up to its current length; True once the rule has fired (stop decoding)."""
+        while not self.done and self.seen < len(new_tokens):
+            token = int(new_tokens[self.seen])
+            self.seen += 1
+            if token in self.eos_ids:
+                self.done = True
+            elif self.watch.push(token):
+                self.done, self.fired_at = True, self.seen
+        return self.fired_at is not None
+
+    def cut(self, tokens: Sequence[int]) -> tuple[list[int], bool]:
+        """`tokens` as the engine leaves them: up to where the rule fired, minus the repeated window; and whether
+        it fired."""
+        if self.fired_at is None:
+            return list(tokens), False
+        return list(tokens[: self.fired_at - self.watch.window]), True
+
+
+def _repeat_criteria_class() -> type:
+    """Build the StoppingCriteria lazily so importing this module does not import transformers."""
+    from transformers import StoppingCriteria
+
+    class RepeatCriteria(StoppingCriteria):
+        """Stops HF `generate` (one row) once its RepeatCut fires; the cut itself is made after `generate`."""
+
+        def __init__(self, cut: RepeatCut, prompt_len: int) -> None:
+            self.repeat_cut, self.prompt_len = cut, prompt_len
+
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            import torch
+
+            fired = self.repeat_cut.feed(input_ids[0, self.prompt_len:].tolist())
+            return torch.full((input_ids.shape[0],), fired, dtype=torch.bool, device=input_ids.device)
+
+    return RepeatCriteria
+
+
 def _timing_streamer_class() -> type:
     """Build the streamer class lazily so importing this module does not import transformers."""
     from transformers.generation.streamers import BaseStreamer
@@ -161,7 +216,7 @@ class HFRunner:
     `generate` compiles on CUDA), `hf-pld` (prompt lookup), `hf-assisted` (draft model)."""
 
     def __init__(self, name: str, target: LoadedModel, sampling: SamplingConfig,
-                 draft: LoadedModel | None = None) -> None:
+                 draft: LoadedModel | None = None, repetition: int = 0) -> None:
         if name not in HF_METHODS:
             raise ValueError(f"unknown HF method {name!r}")
         if name == "hf-assisted" and draft is None:
@@ -175,6 +230,7 @@ class HFRunner:
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.streamer_cls = _timing_streamer_class()
         self.static_cache: Any = None     # hf-static: one cache of a fixed length for every prompt
+        self.repetition = repetition      # the repetition stop's window (0: off), applied as the engine applies it
 
     def _generate_kwargs(self, max_new_tokens: int) -> dict[str, Any]:
         """Stopping and decoding settings identical to what our engine gets."""
@@ -214,18 +270,30 @@ class HFRunner:
         model = self.target.model
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.target.device)
         streamer = self.streamer_cls(self.target.device)
+        kwargs = self._generate_kwargs(max_new_tokens)
+        cut = RepeatCut(self.repetition, self.eos_ids) if self.repetition else None
+        if cut is not None:
+            from transformers import StoppingCriteriaList
+
+            kwargs["stopping_criteria"] = StoppingCriteriaList([_repeat_criteria_class()(cut, len(prompt_ids))])
         if seed is not None:
             torch.manual_seed(seed)
         with torch.inference_mode(), plain_generation_config(model, self.eos_ids, self.pad_id):
             _sync(self.target.device)
             start = time.perf_counter()
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer,
-                                 **self._generate_kwargs(max_new_tokens))
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **kwargs)
             _sync(self.target.device)
             end = time.perf_counter()
         token_ids = out[0, len(prompt_ids):].tolist()
-        return _hf_record(self.name, token_ids, self.eos_ids, streamer.first_token_time, streamer.chunks,
-                          start, end)
+        fired = False
+        if cut is not None:
+            cut.feed(token_ids)        # the criteria saw every step but the last (`generate` may end by length)
+            token_ids, fired = cut.cut(token_ids)
+        record = _hf_record(self.name, token_ids, self.eos_ids, streamer.first_token_time, streamer.chunks,
+                            start, end)
+        if fired:
+            record.finish_reason = "repetition"
+        return record
 
 
 def _hf_record(method: str, token_ids: list[int], eos_ids: Sequence[int], first_token_time: float | None,
@@ -251,7 +319,7 @@ class EngineRunner:
     """Our engine (`ar`, `pld`, `draft`, ...) through `build_decoder`."""
 
     def __init__(self, name: str, target: LoadedModel, sampling: SamplingConfig,
-                 draft: LoadedModel | None = None) -> None:
+                 draft: LoadedModel | None = None, repetition: int = 0) -> None:
         from rasd.decoding.proposers.registry import method_variant
         from rasd.decoding.runtime.engine import build_decoder
 
@@ -262,6 +330,7 @@ class EngineRunner:
         method, options = method_variant(name)
         self.decoder = build_decoder(target, method, draft=draft, **options)
         self.curves: dict[str, Any] = {}       # cost curves the sizer used, by key (for the report)
+        self.repetition = repetition           # the engine's repetition stop window (0: off)
 
     def after_warmup(self) -> None:
         """Forget the warm-up's answer: a response history would draft the first prompt from it."""
@@ -302,7 +371,7 @@ class EngineRunner:
         _sync(self.target.device)
         start = time.perf_counter()
         out = self.decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, sampling=params,
-                                    eos_token_ids=self.eos_ids)
+                                    eos_token_ids=self.eos_ids, repetition=self.repetition)
         _sync(self.target.device)
         wall = time.perf_counter() - start
         stats = out.stats
@@ -322,18 +391,19 @@ class EngineRunner:
 
 
 def make_runner(name: str, target: LoadedModel, sampling: SamplingConfig,
-                draft: LoadedModel | None = None) -> Runner:
+                draft: LoadedModel | None = None, repetition: int = 0) -> Runner:
     """HF baselines by name; every other name is one of our engine's methods. `METHOD:dtype=D` runs the method on
-    the target loaded in dtype D (`rasd:dtype=float32` beside `rasd`), its records under the full name."""
+    the target loaded in dtype D (`rasd:dtype=float32` beside `rasd`), its records under the full name.
+    `repetition`: the repetition stop's window for every runner (0: off)."""
     base, dtype = split_dtype(name)
     if base == LLAMACPP:
         raise ValueError(f"{LLAMACPP} runs a GGUF file: build it with rasd.eval.llamacpp.LlamaCppRunner")
     if dtype is not None and dtype != target.dtype:
-        runner = make_runner(base, target_in(target, dtype), sampling, draft)
+        runner = make_runner(base, target_in(target, dtype), sampling, draft, repetition)
         return DtypeVariant(name, runner)
     if base in HF_METHODS:
-        return HFRunner(base, target, sampling, draft)
-    return EngineRunner(base, target, sampling, draft)
+        return HFRunner(base, target, sampling, draft, repetition)
+    return EngineRunner(base, target, sampling, draft, repetition)
 
 
 def split_dtype(name: str) -> tuple[str, str | None]:

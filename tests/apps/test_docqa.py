@@ -53,7 +53,8 @@ def test_split_passages_longbench_markers() -> None:
 
 
 def test_qa_rows_keeps_rows_with_context_and_question(tmp_path: Path) -> None:
-    rows = [{"dataset": "hotpotqa", "category": "multi-doc QA", "context": "c1", "question": "q1", "source_key": 1},
+    rows = [{"dataset": "hotpotqa", "category": "multi-doc QA", "context": "c1", "question": "q1", "source_key": 1,
+             "answers": ["a1", "b1"]},
             {"dataset": "gov_report", "category": "summarization", "context": "c2", "question": ""},
             {"dataset": "hotpotqa", "category": "multi-doc QA", "context": "c3", "question": "q3", "source_key": 3},
             {"dataset": "qasper", "category": "single-doc QA", "context": "c4", "question": "q4"}]
@@ -62,9 +63,40 @@ def test_qa_rows_keeps_rows_with_context_and_question(tmp_path: Path) -> None:
     got = qa_rows(path, limit=1)
     assert [(item.category, ctx, q) for item, ctx, q in got] == [("multi-doc QA", "c1", "q1"),
                                                                  ("single-doc QA", "c4", "q4")]
+    assert [item.answers for item, _, _ in got] == [["a1", "b1"], None]
     assert [q for _, _, q in qa_rows(path, categories=["hotpotqa"])] == ["q1", "q3"]
     with pytest.raises(ValueError, match="no rows"):
         qa_rows(path, categories=["nothing"])
+
+
+def test_docqa_prompts_carry_the_retrieved_chunks_as_evidence(tmp_path: Path, monkeypatch) -> None:
+    """The evidence `rasd bench` looks for the gold answer in is the text of the chunks the prompt was built from
+    (the ones that fit), not every chunk retrieved."""
+    from rasd.apps import docqa
+    from rasd.eval import bench_docqa
+
+    class FakeIndex:
+        def datastores(self):
+            return []
+
+        def document_tokens(self, doc_ids):
+            return [[d] for d in doc_ids]
+
+    class FakeQA:
+        def __init__(self, index, target, **options):
+            pass
+
+        def prepare(self, question):
+            return [1, 2, 3], _sources(2)
+
+    monkeypatch.setattr(bench_docqa, "row_index", lambda *args: FakeIndex())
+    monkeypatch.setattr(docqa, "DocQA", FakeQA)
+    path = tmp_path / "lb.jsonl"
+    path.write_text(json.dumps({"dataset": "hotpotqa", "context": "c", "question": "q", "answers": ["fact1"]}))
+    target = type("Target", (), {"name": "tiny"})()
+    [prompt] = bench_docqa.prepare_docqa_prompts(path, None, None, target, 8, 4, lambda _: None)
+    assert prompt.evidence == [s.text for s in _sources(2)] and prompt.item.answers == ["fact1"]
+    assert prompt.scope.scope_docs == [[0], [1]]
 
 
 # ------------------------------------------------------------------------- end to end on the real model

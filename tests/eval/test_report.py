@@ -42,13 +42,28 @@ def synthetic_results() -> dict:
     """A results.json with two categories, three methods and every key the report can use."""
     methods = {}
     for name, tps, acc in (("ar", 10.0, 1.0), ("hf", 10.5, 1.0), ("rasd", 21.234, 2.5)):
-        entry = _summary(tps, acc, 4, speedup_vs_hf=tps / 10.5, speedup_vs_ar=tps / 10.0)
+        entry = _summary(tps, acc, 4, speedup_vs_hf=tps / 10.5, speedup_vs_ar=tps / 10.0,
+                         speedup_vs_hf_not_looping=tps / 10.5 * 0.75, speedup_vs_ar_not_looping=tps / 10.0 * 0.75)
         entry["per_category"] = {"qa": _summary(tps * 1.1, acc, speedup_vs_hf=tps * 1.1 / 11.55),
                                  "rag": _summary(tps * 0.9, acc, speedup_vs_hf=None)}
         methods[name] = entry
     return {"model": "tiny", "device": "cpu", "dtype": "float32", "torch_threads": 1, "max_new_tokens": 8,
             "dataset": "q.jsonl", "limit": 2, "num_prompts": 4, "date": "2026-11-26T08:00:00Z",
             "greedy_reference": "hf", "methods": methods,
+            "looping": {"reference": "hf", "ngram": 8, "threshold": 0.2,
+                        "overall": {"answers": 4, "looping": 1, "share": 0.25, "stopped_on_repetition": 0},
+                        "per_category": {"qa": {"answers": 2, "looping": 1, "share": 0.5, "stopped_on_repetition": 0},
+                                         "rag": {"answers": 2, "looping": 0, "share": 0.0,
+                                                 "stopped_on_repetition": 0}},
+                        "per_prompt": []},
+            "quality": {"reference": "hf",
+                        "per_category": {"qa": {"rows": 2, "scored_rows": 2, "metric": "qa_f1", "mean_score": 0.5,
+                                                "evidence_rows": 2, "evidence_recall": 1.0},
+                                         "rag": {"rows": 2, "scored_rows": 2, "metric": "rouge_l",
+                                                 "mean_score": 0.25, "evidence_rows": 0, "evidence_recall": None}},
+                        "overall": {"rows": 4, "scored_rows": 4, "metric": "qa_f1+rouge_l", "mean_score": 0.375,
+                                    "evidence_rows": 2, "evidence_recall": 1.0},
+                        "per_dataset": {}, "unscored": {}, "differing_methods": {}, "per_prompt": []},
             "step_stats": {
                 "hf": {"steps": 20, "accept_length_hist": {"1": 20}, "accepted_by_source": {},
                        "drafted_by_source": {}, "position_acceptance": None, "tree_tokens_by_bucket": None},
@@ -125,6 +140,9 @@ def test_full_report_from_synthetic_results(tmp_path):
     assert "0.75 (8)" in md and "0.60 (5)" in md                  # acceptance per depth: 6/8, 3/5
     assert "9 (36%)" in md                                        # datastore share of 25 accepted tokens
     assert "| 256 | 10.0 | 11.0 | 12.0 | 16.0 |" in md
+    assert "looping answers: 1 of 4 (25%) [qa 1 of 2 (50%)] (hf's answers" in md
+    assert "| qa | 2 | qa_f1 | 0.50 | 1.00 (2) |" in md and "| rag | 2 | rouge_l | 0.25 | - |" in md
+    assert "| **overall** | 4 | qa_f1+rouge_l | 0.38 | 1.00 (2) |" in md
     html = (folder / "report.html").read_text()
     assert html.count("data:image/png;base64,") == len(ALL_PLOTS) and 'src="speedup.png"' not in html
     assert "<b>overall</b>" in html
@@ -217,19 +235,26 @@ def test_bench_accepts_report_next_to_out_and_plot():
 
 
 @pytest.mark.skipif(not test_bench.HAS_ENGINE, reason="rasd.decoding.runtime.engine not written yet")
-def test_bench_report_end_to_end_on_a_tiny_llama(tiny_target, tmp_path, monkeypatch, one_thread):
+def test_bench_report_end_to_end_on_a_tiny_llama(tiny_target, tmp_path, monkeypatch, one_thread, capsys):
     import rasd.decoding.model.loading as models
 
     monkeypatch.setenv("RASD_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(models, "load_model", lambda *a, **k: tiny_target)
     data = test_bench.write_jsonl(tmp_path / "q.jsonl", [
-        {"question_id": 1, "category": "qa", "turns": ["the quick brown fox jumps over the lazy dog " * 3]},
+        {"question_id": 1, "category": "qa", "turns": ["the quick brown fox jumps over the lazy dog " * 3],
+         "dataset": "samsum", "answers": ["the quick fox"]},
         {"question_id": 2, "category": "rag", "turns": ["Answer the question based on the passages. " * 3]}])
     out, rep = tmp_path / "results.json", tmp_path / "report"
     rc = bench.main(["--dataset", str(data), "--methods", "ar,hf,pld", "--max-new-tokens", "12",
+                     "--stop-on-repetition", "--repetition-window", "4",
                      "--no-progress", "--out", str(out), "--plot", str(tmp_path / "p.png"), "--report", str(rep)])
     assert rc == 0
+    printed = capsys.readouterr().out
     results = json.loads(out.read_text())
+    assert results["repetition_window"] == 4 and results["looping"]["overall"]["answers"] == 2
+    assert results["quality"]["per_category"]["qa"]["metric"] == "rouge_l"
+    assert results["quality"]["unscored"] == {"rag": {"rows": 1, "reason": "no gold answers"}}
+    assert "looping answers: " in printed and "answer quality (ar's answers" in printed
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", results["date"])
     pld = results["step_stats"]["pld"]
     assert pld["steps"] > 0 and pld["accepted_by_source"]["bonus"] == pld["steps"]
@@ -238,6 +263,7 @@ def test_bench_report_end_to_end_on_a_tiny_llama(tiny_target, tmp_path, monkeypa
     assert results["step_stats"]["hf"]["tree_tokens_by_bucket"] is None
     md = (rep / "report.md").read_text()
     assert_table_matches(md, results)
+    assert "## Answer quality" in md and "| stop on repetition (window) | 4 |" in md
     for name in ("speedup.png", "accepted_tokens.png", "accepted_by_source.png", "cost_curve.png"):
         assert_valid_png(rep / name)
     # a random model may never draft deep enough to plot per-position rates: then a note stands in
@@ -251,13 +277,16 @@ def test_bench_report_end_to_end_on_a_tiny_llama(tiny_target, tmp_path, monkeypa
 def test_speed_table_per_category_with_focus_columns(tmp_path, capsys):
     results = synthetic_results()
     lines = report.speed_table(results, ["rasd"], "hf").splitlines()
-    assert lines[0] == ("| category | ar tok/s | hf tok/s | rasd tok/s | rasd vs hf | rasd median | rasd mean acc. "
-                        "| rasd match |")
-    assert [line.split(" | ")[0] for line in lines[2:]] == ["| qa", "| rag", "| **overall**"]
+    assert lines[0] == ("| category | ar tok/s | hf tok/s | rasd tok/s | rasd vs hf | rasd vs hf (not looping) "
+                        "| rasd median | rasd mean acc. | rasd match |")
+    assert [line.split(" | ")[0] for line in lines[2:5]] == ["| qa", "| rag", "| **overall**"]
     qa = results["methods"]["rasd"]["per_category"]["qa"]
-    assert lines[2] == (f"| qa | 11.0 | 11.6 | {qa['tokens_per_s']:.1f} | {qa['speedup_vs_hf']:.2f}x | - | 2.50 "
+    assert lines[2] == (f"| qa | 11.0 | 11.6 | {qa['tokens_per_s']:.1f} | {qa['speedup_vs_hf']:.2f}x | - | - | 2.50 "
                         "| 1.00 |")
-    assert " | - | - | 2.50 |" in lines[3]                       # rag: no speedup recorded for it
+    assert " | - | - | - | 2.50 |" in lines[3]                   # rag: no speedup recorded for it
+    overall = results["methods"]["rasd"]
+    assert f" | {overall['speedup_vs_hf']:.2f}x | {overall['speedup_vs_hf_not_looping']:.2f}x | " in lines[4]
+    assert lines[5] == "" and lines[6].startswith("looping answers: 1 of 4 (25%)")
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results))
     assert report.main([str(path), "--table", "--focus", "rasd", "--baseline", "ar"]) == 0
