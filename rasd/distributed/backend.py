@@ -343,7 +343,8 @@ class LocalBackend(DecodingBackend):
                     sources = stream.token_sources[part]
                     logprobs = None if stream.token_logprobs is None else stream.token_logprobs[part]
                     seen += len(payload)
-                    step = stream.step_log[steps] if steps >= 0 else None
+                    # a request stopped by the model's context hands out a last empty block of no step
+                    step = stream.step_log[steps] if 0 <= steps < len(stream.step_log) else None
                     steps += 1
                     payload = TokenBlock(list(payload), sources, stream.plain_step_s, logprobs, step)
                 yield kind, payload

@@ -177,7 +177,7 @@ def reference(index_spec: str, model: str, questions: list[str], method: str, to
 
     index, target = open_index(index_spec, model), load_model(model, dtype=dtype)
     qa = DocQA(index, target, method=method, top_k=top_k, max_new_tokens=max_tokens)
-    hf = HFRunner("hf", target, SamplingConfig())
+    hf = HFRunner("hf", target, SamplingConfig(), repetition=qa.repetition)   # the docqa default rule, as served
     answers, records = {}, []
     for question in tqdm(questions, desc="in-process reference + hf", file=sys.stderr):
         answers[question] = qa.ask(question).answer

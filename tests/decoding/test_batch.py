@@ -372,26 +372,55 @@ class _Flaky:
         return self.inner.propose(context, max_nodes)
 
 
-def test_a_failing_step_fails_every_request_in_it_and_the_scheduler_keeps_serving() -> None:
-    """A bug in one step (here a proposer raising mid-batch, rows in the cache) must end each request in the
-    batch with an error, never a hang, and leave the scheduler able to decode the next requests exactly."""
+def test_one_requests_failing_step_ends_it_alone() -> None:
+    """A bug in one request's own part of a step (here its proposer raising mid-batch, rows in the cache) ends
+    that request with an error; the requests batched with it and those still queued get their exact tokens."""
     model = tiny_llama(0)
     scheduler = Scheduler(model, max_batch=3, max_waiting=8)
     try:
-        streams = []
-        for i, (length, seed) in enumerate([(40, 0), (30, 1), (35, 2)]):
+        streams, prompts = [], []
+        for i, (length, seed) in enumerate([(40, 0), (30, 1), (35, 2), (33, 3), (28, 4)]):   # 3 run, 2 queue
             dec = decoder(model, "pld")
             if i == 1:
                 dec.proposer = _Flaky(dec.proposer, fail_at=4)
-            streams.append(dec.stream(repeating(length, seed), 40))
+            prompts.append(repeating(length, seed))
+            streams.append(dec.stream(prompts[-1], 40))
         events = collect(scheduler, streams, timeout=60)
-        assert all(evs[-1][0] == "error" for evs in events), [evs[-1][0] for evs in events]
+        assert [evs[-1][0] for evs in events] == ["done", "error", "done", "done", "done"]
         assert "injected proposer bug" in events[1][-1][1]
         assert scheduler.load() == (0, 0)
-        prompt = repeating(33, 3)
-        after = collect(scheduler, [decoder(model, "pld").stream(prompt, 20)], timeout=60)[0]
-        assert after[-1][0] == "done"
-        assert_greedy_equal(model, prompt, after[-1][1].token_ids, hf_greedy(model, prompt, 20), label="after")
+        for i in (0, 2, 3, 4):
+            tokens = events[i][-1][1].token_ids
+            assert_greedy_equal(model, prompts[i], tokens, hf_greedy(model, prompts[i], 40), label=f"request {i}")
+            assert [t for kind, block in events[i] if kind == "tokens" for t in block] == tokens
+    finally:
+        scheduler.close()
+
+
+def test_a_failing_shared_forward_ends_the_running_requests_and_spares_the_queued(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure in the batch's one forward (a bug, out of memory) ends every request in that batch with an
+    error, never a hang; the queued requests never touched it and are decoded exactly afterwards."""
+    from rasd.decoding.model import fast_forward
+
+    model = tiny_llama(0)
+    real, calls = fast_forward.forward, {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected forward failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fast_forward, "forward", flaky)
+    scheduler = Scheduler(model, max_batch=2, max_waiting=8)
+    try:
+        prompts = [repeating(40, 0), repeating(30, 1), repeating(33, 3)]
+        events = collect(scheduler, [decoder(model, "pld").stream(p, 30) for p in prompts], timeout=60)
+        assert [evs[-1][0] for evs in events] == ["error", "error", "done"]
+        assert "injected forward failure" in events[0][-1][1]
+        assert_greedy_equal(model, prompts[2], events[2][-1][1].token_ids, hf_greedy(model, prompts[2], 30))
+        assert scheduler.load() == (0, 0)
     finally:
         scheduler.close()
 

@@ -140,9 +140,9 @@ class Scheduler:
             if self._active:
                 self._step()
             self.last_progress = time.monotonic()
-        except Exception as exc:   # a bug or OOM in a step fails the requests in it, not the service
+        except Exception as exc:   # a bug or OOM in the shared forward fails the requests in it, not the service
             log.exception("a decoding step failed; its requests end with an error")
-            self._fail_all(f"{type(exc).__name__}: {exc}")
+            self._fail_all(f"{type(exc).__name__}: {exc}", waiting=False)
 
     def stopped(self) -> None:
         self._fail_all("the scheduler stopped")
@@ -192,6 +192,13 @@ class Scheduler:
     def _step(self) -> None:
         results = self.batch.step()
         self.steps += 1
+        for stream, exc in self.batch.take_failed():   # that request's own part of the step raised
+            with self._cond:
+                ticket = self._active.pop(id(stream), None)
+                if ticket is not None:
+                    self._inflight -= 1
+            if ticket is not None:
+                ticket.sink("error", f"{type(exc).__name__}: {exc}")
         for stream, block in results:
             ticket = self._active.get(id(stream))
             if ticket is None:
@@ -206,11 +213,14 @@ class Scheduler:
             self._inflight -= 1
         ticket.sink("done", output)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, waiting: bool = True) -> None:
+        """End the running requests (and the queued ones with `waiting`: the scheduler stops) with `message`.
+        A failed step leaves the queued ones queued: they never touched the failed batch."""
         with self._cond:
-            tickets = list(self._active.values()) + list(self._waiting)
+            tickets = list(self._active.values()) + (list(self._waiting) if waiting else [])
             self._active.clear()
-            self._waiting.clear()
+            if waiting:
+                self._waiting.clear()
             self._inflight -= len(tickets)
         try:
             self.batch.clear()

@@ -17,10 +17,12 @@ replaces the one `verify` call of the single-request loop, so both paths run the
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -38,6 +40,8 @@ from rasd.decoding.step.cache import MIN_CAPACITY, GrowableLayer, TreeCache, dro
 from rasd.decoding.step.row_store import SlotStore
 from rasd.decoding.step.tree import DraftTree
 from rasd.decoding.step.verify import accept, batch_inputs
+
+log = logging.getLogger(__name__)
 
 
 class SlotLayer(GrowableLayer):
@@ -222,6 +226,9 @@ class BatchDecoder:
         self.cache = self._new_cache()
         self.streams: list[GenerationStream] = []
         self.prefilling: deque[PrefillJob] = deque()
+        # requests whose own part of a step (proposing, committing) raised: out of the batch, for the caller to
+        # end with an error (`take_failed`); the other rows go on
+        self.failed: list[tuple[GenerationStream, Exception]] = []
         self.chunk_tokens = chunk_tokens
         self.prefix_cache = prefix_cache
 
@@ -317,10 +324,11 @@ class BatchDecoder:
     def _step(self) -> list[tuple[GenerationStream, list[int]]]:
         t0 = time.perf_counter()
         batched = len(self.streams) > 1
-        proposals = [self._propose(stream, batched) for stream in self.streams]
-        stopped = [b for b, (tree, _) in enumerate(proposals) if tree is None]   # reached the model's context
+        tried = [self._isolated(stream, self._propose, stream, batched) for stream in self.streams]
+        failed = [b for b, p in enumerate(tried) if p is None]
+        stopped = [b for b, p in enumerate(tried) if p is not None and p[0] is None]   # reached the context
         results: list[tuple[GenerationStream, list[int]]] = [(self.streams[b], []) for b in stopped]
-        proposals = [proposals[b] for b in self._drop(stopped)]
+        proposals = [p for p in (tried[b] for b in self._drop(failed + stopped)) if p is not None]
         trees = [tree for tree, _ in proposals]
         draft_s = [s for _, s in proposals]
         if self.streams:
@@ -336,11 +344,30 @@ class BatchDecoder:
                 overhead = time.perf_counter() - t0 - forward_s[0]
                 self.sizer.observe(curve, len(trees), max(len(t) for t in trees), context_sum, forward_s[0],
                                    overhead)
-        self._drop([b for b, stream in enumerate(self.streams) if stream.reason is not None])
+        gone = {id(stream) for stream, _ in self.failed}
+        self._drop([b for b, stream in enumerate(self.streams) if stream.reason is not None or id(stream) in gone])
         for stream, _ in results:
             if stream.reason is not None and stream.output is None:
                 stream.finish()
         return results
+
+    def _isolated(self, stream: GenerationStream, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`work(*args, **kwargs)` for one request; if it raises, that request alone fails (`failed`), None.
+
+        Why: a request's own drafting and bookkeeping (its proposer, its sampling options, its stop rules)
+        cannot spoil another row's tokens, so a bug there ends that request, not every request in the batch;
+        only the shared forward fails them all (the scheduler's `work_once`)."""
+        try:
+            return work(*args, **kwargs)
+        except Exception as exc:   # noqa: BLE001 - reported to that request's caller, with the exception
+            log.exception("a request's step failed; it ends with an error, the batch goes on")
+            self.failed.append((stream, exc))
+            return None
+
+    def take_failed(self) -> list[tuple[GenerationStream, Exception]]:
+        """The requests that failed since the last call (already out of the batch), with why."""
+        failed, self.failed = self.failed, []
+        return failed
 
     @staticmethod
     def _propose(stream: GenerationStream, batched: bool) -> tuple[DraftTree | None, float]:
@@ -391,9 +418,12 @@ class BatchDecoder:
         verify_s = (time.perf_counter() - t0) / len(trees)   # each request's share of the shared forward
         alone = verify_s if len(trees) == 1 and job is None else None   # a forward of this row's tree only
         width = max(len(tree) for tree in trees)
-        results = [(stream, stream.commit(tree, verdict, logits[b, : len(tree)], draft_s[b], verify_s, alone,
-                                          hidden=row_features(self.model, b, width, len(tree))))
-                   for b, (stream, tree, verdict) in enumerate(zip(self.streams, trees, verdicts, strict=True))]
+        results = []
+        for b, (stream, tree, verdict) in enumerate(zip(self.streams, trees, verdicts, strict=True)):
+            block = self._isolated(stream, stream.commit, tree, verdict, logits[b, : len(tree)], draft_s[b],
+                                   verify_s, alone, hidden=row_features(self.model, b, width, len(tree)))
+            if block is not None:
+                results.append((stream, block))
         if job is not None and first is not None:   # after the rows' compaction: the new row joins at the end
             self.prefilling.popleft()
             results.append((job.stream, self._joined(job.stream, job.cache, first)))
