@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -89,7 +90,14 @@ def _answer(body: dict[str, Any]) -> DocAnswer:
                      usage=body.get("usage", {}), stats=body.get("rasd", {}))
 
 
+class IncompleteStream(ApiError):
+    """A stream that ended without `data: [DONE]`: the server or the connection failed mid-answer, so what was
+    received may be truncated (never taken for a whole answer)."""
+
+
 def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """The events of a server-sent stream; an error event raises `ApiError`, an end without [DONE]
+    `IncompleteStream`."""
     for line in lines:
         if not line.startswith("data: "):
             continue
@@ -101,6 +109,7 @@ def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
             err = event["error"]
             raise ApiError(int(err.get("code") or 500), err.get("message", ""), err.get("type", ""))
         yield event
+    raise IncompleteStream(502, "the stream ended without [DONE]: the answer may be truncated", "server_error")
 
 
 def _delta(event: dict[str, Any]) -> str:
@@ -112,9 +121,11 @@ class Client:
     """Synchronous client. Timeouts in seconds; `retries` attempts on 503 / connection errors."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", api_key: str | None = None, timeout: float = 300.0,
-                 retries: int = 3, backoff_s: float = 0.5, retry_busy: bool = False):
+                 retries: int = 3, backoff_s: float = 0.5, retry_busy: bool = False,
+                 transport: httpx.BaseTransport | None = None):
+        """`transport`: httpx's (a proxy, a test's fault injection); default: a direct connection."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
         self.retries, self.backoff_s = retries, backoff_s
         self.retry_statuses = RETRY_STATUSES | ({429} if retry_busy else set())
 
@@ -127,10 +138,10 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, payload: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
         for attempt in range(self.retries + 1):
             try:
-                response = self.http.post(path, json=payload)
+                response = self.http.post(path, json=payload, headers=headers)
             except httpx.TransportError:
                 if attempt == self.retries:
                     raise
@@ -180,8 +191,14 @@ class Client:
         """Events: {"sources": [...]}, then {"delta": text}..., then the final answer object."""
         yield from self._stream("/v1/docqa", {"question": question, **params})
 
-    def add_documents(self, documents: list[dict[str, Any]]) -> dict[str, Any]:
-        return self._post("/v1/documents", {"documents": documents})
+    def add_documents(self, documents: list[dict[str, Any]], idempotency_key: str | None = None) -> dict[str, Any]:
+        """Add documents to the service's index; every retry carries one `Idempotency-Key` (yours, else a new
+        random one), so a retry after a lost answer never adds the batch twice."""
+        return self._post("/v1/documents", {"documents": documents}, _ingest_headers(idempotency_key))
+
+
+def _ingest_headers(key: str | None) -> dict[str, str]:
+    return {"Idempotency-Key": key or f"rasd-client-{uuid.uuid4().hex}"}
 
 
 class AsyncClient:
@@ -200,10 +217,11 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    async def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, payload: dict[str, Any], headers: dict[str, str] | None = None
+                    ) -> dict[str, Any]:
         for attempt in range(self.retries + 1):
             try:
-                response = await self.http.post(path, json=payload)
+                response = await self.http.post(path, json=payload, headers=headers)
             except httpx.TransportError:
                 if attempt == self.retries:
                     raise
@@ -236,8 +254,10 @@ class AsyncClient:
         async for event in self._stream("/v1/completions", {"prompt": prompt, **params}):
             yield _delta(event)
 
-    async def add_documents(self, documents: list[dict[str, Any]]) -> dict[str, Any]:
-        return await self._post("/v1/documents", {"documents": documents})
+    async def add_documents(self, documents: list[dict[str, Any]], idempotency_key: str | None = None
+                            ) -> dict[str, Any]:
+        """As `Client.add_documents`: one `Idempotency-Key` across retries."""
+        return await self._post("/v1/documents", {"documents": documents}, _ingest_headers(idempotency_key))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,51 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+def host_name(header: bytes | None) -> str:
+    """The name in a `Host` header, lower-case, without its port ("[::1]:8000" -> "::1")."""
+    text = (header or b"").decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def host_allowed(name: str, allowed: list[str]) -> bool:
+    """Whether a keyless service answers a request addressed to `name`: this machine's loopback names, the
+    names configured (`allowed_hosts`), or any with `*`."""
+    return name in LOOPBACK_NAMES or "*" in allowed or name in {h.lower() for h in allowed}
+
+
+MISDIRECTED = json.dumps({"error": {
+    "message": "this service answers requests addressed to its loopback name only (Host header); a keyless service "
+               "refuses other names (DNS rebinding); add the name with --allowed-host, or set an API key",
+    "type": "permission_error", "param": None, "code": 421}}).encode()
+
+
+class HostCheckMiddleware:
+    """Answers 421 to a request whose `Host` is not a loopback name or an allowed host, when the service has no
+    key. Why: a keyless service on 127.0.0.1 is reachable by any web page the user opens through DNS rebinding
+    (a name that resolves to 127.0.0.1), which could then ask questions or write into the index; such a
+    request carries the attacker's name in `Host`. With a key the page cannot authenticate, so any name is
+    answered (a service behind a proxy or on a LAN address)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], key_source: Callable[[], str | None],
+                 hosts_source: Callable[[], list[str]]):
+        self.app, self.key_source, self.hosts_source = app, key_source, hosts_source
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or self.key_source() is not None
+                or host_allowed(host_name(_header(scope, b"host")), self.hosts_source())):
+            await self.app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 421,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(MISDIRECTED)).encode())]})
+        await send({"type": "http.response.body", "body": MISDIRECTED})
+
+
 UNAUTHORIZED = json.dumps({"error": {
     "message": "missing or wrong API key (send `Authorization: Bearer <key>`)", "type": "authentication_error",
     "param": None, "code": 401}}).encode()

@@ -98,6 +98,9 @@ class ServeConfig:
     verifier_options: dict[str, Any] = setting(description="Ray options of the verifier actor (num_gpus, "
                                                            "resources)", factory=dict)
     api_key: str | None = setting(None, f"require `Authorization: Bearer KEY` (or set {API_KEY_ENV})", flag=True)
+    allowed_hosts: list[str] = setting(description="without a key, the Host names answered besides 127.0.0.1, "
+                                                   "localhost and ::1 (`*`: any); other names get 421, against "
+                                                   "DNS rebinding", factory=list)
     threads: int | None = setting(None, "torch threads of the replica (default: the cores split between the "
                                         "replicas)", minimum=1, flag=True)
     replicas: int = setting(1, "model replicas behind the one endpoint; a chat's turns and repeated prompts are "
@@ -147,6 +150,8 @@ class ServeConfig:
         given = vars(args)
         values = {name: given[name] for name in cls.names() if name in given}   # --no-graphs has dest graphs
         values["limits"] = cli_limits(args.limit)
+        hosts = list(getattr(args, "allowed_host", None) or [])
+        values["allowed_hosts"] = hosts + bound_name(getattr(args, "host", ""))
         values.update(verifier_values(args.verifier_gpus, args.verifier_resources, values["verifier_actor"]))
         workers = parse_resources(args.draft_worker_resources, "--draft-worker-resources", '{"rasd_draft": 1}')
         values["draft_worker_options"] = {"resources": workers} if workers else {}
@@ -185,6 +190,8 @@ class ServeConfig:
             check_minimum(spec, value)
         check_limits(self.limits)
         check_router(self.router)
+        if not all(isinstance(h, str) and h.strip() for h in self.allowed_hosts):
+            raise ConfigError("allowed_hosts", f"must be a list of host names (got {self.allowed_hosts!r})")
         gpus = self.verifier_options.get("num_gpus", 0)
         if not isinstance(gpus, int | float) or gpus < 0:
             raise ConfigError("verifier_options", f"num_gpus must be a number >= 0 (got {gpus!r})")
@@ -215,6 +222,14 @@ def default_threads(replicas: int = 1) -> int:
     use them all; several split them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, replicas))
+
+
+def bound_name(host: str | None) -> list[str]:
+    """The address `--host` binds, as a Host name to answer: one the operator chose (not a wildcard, not loopback,
+    which is always answered)."""
+    from rasd.serve.auth import LOOPBACK_NAMES
+
+    return [] if not host or host in ("0.0.0.0", "::") or host in LOOPBACK_NAMES else [host.lower()]
 
 
 def check_type(name: str, value: Any, hint: Any) -> None:

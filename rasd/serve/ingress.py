@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ray import serve
 from starlette.exceptions import HTTPException
 
-from rasd.serve.auth import ApiKeyMiddleware, resolve_api_key
+from rasd.serve.auth import ApiKeyMiddleware, HostCheckMiddleware, resolve_api_key
 from rasd.serve.config import ServeConfig
 from rasd.serve.limits import BodyLimitMiddleware, Limits, check_chat, check_documents, check_prompt, check_question
 from rasd.serve.metrics import CONTENT_TYPE, merge_metrics, router_metrics
@@ -42,8 +42,11 @@ STATE_TIMEOUT_S = 10.0                 # a replica slower than this to report it
 api = FastAPI(title="rasd", description="Retrieval-augmented speculative decoding: lossless, faster answers")
 api.state.api_key = None       # set by the ingress; the middlewares check key and size before a body is read
 api.state.limits = Limits()
+api.state.allowed_hosts = []
 api.add_middleware(BodyLimitMiddleware, limits_source=lambda: api.state.limits)
-api.add_middleware(ApiKeyMiddleware, key_source=lambda: api.state.api_key)   # added last: runs first
+api.add_middleware(ApiKeyMiddleware, key_source=lambda: api.state.api_key)
+api.add_middleware(HostCheckMiddleware, key_source=lambda: api.state.api_key,   # added last: runs first
+                   hosts_source=lambda: api.state.allowed_hosts)
 
 
 @api.exception_handler(ApiError)
@@ -134,6 +137,7 @@ class RasdIngress:
         self.limits = Limits(**self.config.limits)
         self.started = time.time()
         api.state.api_key, api.state.limits = self.api_key, self.limits
+        api.state.allowed_hosts = list(self.config.allowed_hosts)
 
     # ------------------------------------------------------------------ web page (no API key: static files)
     @api.get("/", response_class=HTMLResponse)

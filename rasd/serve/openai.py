@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rasd.decoding.runtime.repetition import MAX_WINDOW, MIN_WINDOW
 from rasd.errors import ApiError, error_body  # noqa: F401  (the schemas' errors; re-exported)
@@ -245,6 +245,15 @@ class DocumentIn(BaseModel):
     title: str = ""
     source: str = ""
     id: str | None = None
+
+    @field_validator("text")
+    @classmethod
+    def _has_text(cls, text: str) -> str:
+        """A whitespace-only document would be skipped by the index writer: refused by name instead, so an
+        acknowledged batch is every document sent."""
+        if not text.strip():
+            raise ValueError("the document's text is only whitespace")
+        return text
 
 
 class DocumentsRequest(BaseModel):

@@ -54,6 +54,8 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=None if base is str else base, default=spec.default, help=help_text)
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="on CUDA, run eager forwards instead of static shapes captured as CUDA graphs")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="without a key, a Host name answered besides the loopback ones (repeatable; `*`: any)")
     p.add_argument("--limit", action="append", metavar="NAME=VALUE",
                    help="a request size limit, repeatable: " + ", ".join(Limits.names()) + " (docs/serving.md)")
     p.add_argument("--draft-worker-resources", default=None, metavar="JSON",

@@ -13,6 +13,7 @@ status), then server-sent-event lines.
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections import Counter
@@ -38,6 +39,8 @@ from rasd.serve.openai import (
 )
 from rasd.serve.service import Prepared, Service
 from rasd.text import Detokenizer, SourcedText
+
+log = logging.getLogger(__name__)
 
 
 def _usage(prompt_tokens: int, output: Any) -> dict[str, Any]:
@@ -83,6 +86,14 @@ async def _admitted(events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[tup
     return replay()
 
 
+def as_api_error(exc: Exception) -> ApiError:
+    """`exc` as the error a client receives: itself if it is one, else a 500 naming it (and logged)."""
+    if isinstance(exc, ApiError):
+        return exc
+    log.exception("a stream failed mid-answer")
+    return ApiError(500, f"decoding failed mid-answer: {type(exc).__name__}: {exc}", "server_error")
+
+
 async def _all_choices(runs: list[Any]) -> list[Any]:
     """Every choice's output; one failing cancels the others and its own error is raised (a 429 stays a 429:
     a TaskGroup would wrap it in an ExceptionGroup, which no handler turns into an HTTP status)."""
@@ -106,16 +117,19 @@ class _ChoiceStream:
 
 
 async def _merged(streams: list[AsyncIterator[tuple[str, Any]]]) -> AsyncIterator[tuple[int, str, Any]]:
-    """(choice, kind, payload) from several event streams as they come; an ApiError in one is handed on as
-    ("error", the error) and ends the merge (the other streams are cancelled, their requests leave the batch)."""
+    """(choice, kind, payload) from several event streams as they come; a failure in one is handed on as
+    ("error", an ApiError) and ends the merge (the other streams are cancelled, their requests leave the batch).
+
+    Why any exception, not only ApiError: one that ended a pump silently would end the merge as if every choice
+    had finished, and the truncated text would be followed by [DONE]."""
     queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
 
     async def pump(i: int, events: AsyncIterator[tuple[str, Any]]) -> None:
         try:
             async for kind, payload in events:
                 await queue.put((i, kind, payload))
-        except ApiError as exc:
-            await queue.put((i, "error", exc))
+        except Exception as exc:   # noqa: BLE001 - every failure reaches the client as an error event
+            await queue.put((i, "error", as_api_error(exc)))
         finally:
             await queue.put((i, "end", None))
 
@@ -274,10 +288,10 @@ class RasdServer:
         async with contextlib.aclosing(_merged(streams)) as merged:   # a client gone: every choice stops
             async for i, kind, payload in merged:
                 state = states[i]
-                if kind == "error":
+                if kind == "error":   # an abnormal end: the error event and no [DONE] (the answer is incomplete)
                     self.service.metrics.failed(endpoint, str(payload.status))
                     yield sse(payload.body())
-                    break
+                    return
                 if kind == "tokens":
                     tokens = payload.tokens if hasattr(payload, "tokens") else payload
                     delta = state.text.push(tokens)
@@ -332,8 +346,9 @@ class RasdServer:
                            "usage": _usage(len(prepared.prompt_ids), payload),
                            "rasd": _docqa_stats(payload), "accept_lengths": list(payload.stats.accept_lengths),
                            "plain_decoding": _plain_view(payload.plain_step_s)})
-        except ApiError as exc:
-            yield sse(exc.body())
+        except Exception as exc:   # noqa: BLE001 - an abnormal end: the error event and no [DONE]
+            yield sse(as_api_error(exc).body())
+            return
         yield sse("[DONE]")
 
 

@@ -266,11 +266,13 @@ class Service:
 
         if self.index is None:
             raise ApiError(400, "this service has no index; start it with --index", param="documents")
+        blank = next((i for i, d in enumerate(docs) if not str(d.get("text", "")).strip()), None)
+        if blank is not None:   # the writer would skip it: refused by name, so what is acknowledged was all written
+            raise ApiError(400, f"document {blank} has no text (only whitespace)", param=f"documents.{blank}.text")
         documents = [Document(text=d["text"], title=d.get("title", ""), source=d.get("source", ""),
                               external_id=d.get("id")) for d in docs]
         claim = None if idempotency_key is None else idempotency_claim(idempotency_key, docs)
         with self._ingest_lock:
-            before = self.index.num_documents
             if claim is not None and (replay := self._replay(claim)) is not None:
                 return replay
             try:
@@ -286,8 +288,9 @@ class Service:
                 index = self.index
             self.indexes.replace(index)
             self.backend.add_segments()             # its token datastores must include the new segment
-        return {"added": index.num_documents - before, "num_documents": index.num_documents,
-                "num_chunks": index.num_chunks}
+        # this batch's documents (every one is written: whitespace-only ones are refused before), not the
+        # growth since this replica last looked, which would count another writer's commits too
+        return {"added": len(documents), "num_documents": index.num_documents, "num_chunks": index.num_chunks}
 
     def _replay(self, claim: dict[str, str]) -> dict[str, Any] | None:
         """The answer to an already committed idempotency key (None: not committed, or committed by us now)."""

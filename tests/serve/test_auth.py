@@ -92,3 +92,40 @@ def test_middleware_refuses_before_reading_the_body() -> None:
     assert _call("k", "/v1/completions", b"Bearer k")[0] == 200
     assert _call("k", "/healthz", None)[0] == 200
     assert _call(None, "/v1/completions", None)[0] == 200          # no key configured: open (loopback default)
+
+
+def test_a_keyless_service_answers_only_its_loopback_names_and_the_allowed_ones() -> None:
+    """DNS rebinding: a web page whose name resolves to 127.0.0.1 reaches a keyless service with its own name in
+    `Host`; that is a 421 before the app runs. With a key any name is answered (the page cannot authenticate)."""
+    import asyncio
+
+    from rasd.serve.auth import HostCheckMiddleware, host_name
+
+    assert [host_name(h) for h in (b"127.0.0.1:8000", b"LOCALHOST", b"[::1]:8000", b"evil.example:80", None)] == \
+        ["127.0.0.1", "localhost", "::1", "evil.example", ""]
+
+    def status(host: bytes, key: str | None, allowed: list[str]) -> int:
+        sent: list[dict] = []
+
+        async def app(scope: dict, receive: object, send: object) -> None:
+            sent.append({"type": "http.response.start", "status": 200})
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/v1/documents", "headers": [(b"host", host)]}
+        asyncio.run(HostCheckMiddleware(app, lambda: key, lambda: allowed)(scope, None, send))
+        return sent[0]["status"]
+
+    assert status(b"127.0.0.1:8000", None, []) == 200 and status(b"localhost:8000", None, []) == 200
+    assert status(b"evil.example", None, []) == 421 and status(b"evil.example:8000", None, ["docs.internal"]) == 421
+    assert status(b"docs.internal:8000", None, ["docs.internal"]) == 200 and status(b"x.example", None, ["*"]) == 200
+    assert status(b"evil.example", "a-key", []) == 200   # the key protects it
+
+
+def test_the_bound_address_is_answered_and_bad_host_lists_are_refused() -> None:
+    from rasd.serve.config import ConfigError, ServeConfig, bound_name
+
+    assert bound_name("192.168.1.5") == ["192.168.1.5"] and bound_name("0.0.0.0") == bound_name("127.0.0.1") == []
+    with pytest.raises(ConfigError, match="allowed_hosts"):
+        ServeConfig.from_dict({"allowed_hosts": ["ok", ""]})

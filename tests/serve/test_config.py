@@ -17,7 +17,7 @@ from rasd.serve.options import register
 # `rasd serve` flags that run the command rather than configure the service
 PROCESS_FLAGS = {"host", "port", "address", "ray_host", "detach", "stop"}
 # flags that fill a field from another form (`ServeConfig.from_args`)
-FORM_FLAGS = {"limit": "limits", "draft_worker_resources": "draft_worker_options",
+FORM_FLAGS = {"limit": "limits", "allowed_host": "allowed_hosts", "draft_worker_resources": "draft_worker_options",
               "verifier_gpus": "verifier_options", "verifier_resources": "verifier_options"}
 
 

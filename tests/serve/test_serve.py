@@ -329,6 +329,38 @@ def test_an_ingest_retried_with_its_idempotency_key_adds_once(service: dict[str,
     assert long_key.status_code == 400
 
 
+def test_a_whitespace_only_document_is_refused_by_name_not_skipped(service: dict[str, Any]) -> None:
+    docs = {"documents": [{"text": "Capybaras are the largest rodents."}, {"title": "blank", "text": " \n\t "}]}
+    r = service["client"].post("/v1/documents", json=docs)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("documents.1"), r.text
+
+
+def test_the_client_retries_an_ingest_under_one_key_so_a_lost_answer_adds_once(service: dict[str, Any]) -> None:
+    """The first answer is lost after the service committed (the connection drops): the client's retry carries
+    the same Idempotency-Key, so the batch is added once."""
+    from rasd.client import Client
+    from rasd.index.store import Index
+
+    class LoseFirstIngestAnswer(httpx.HTTPTransport):
+        lost = 0
+
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            response = super().handle_request(request)
+            if request.url.path == "/v1/documents" and not self.lost:
+                response.read()                  # the service has committed and answered; the answer is lost
+                self.lost += 1
+                raise httpx.ReadError("connection reset after the commit", request=request)
+            return response
+
+    transport = LoseFirstIngestAnswer()
+    doc = {"title": "Okapis", "text": "The okapi is a forest giraffe of the Congo with striped legs."}
+    with Client(service["url"], api_key=KEY, backoff_s=0.01, transport=transport) as client:
+        before = Index.open(service["index"]).num_documents
+        added = client.add_documents([doc])
+    assert transport.lost == 1 and added["replayed"] is True and added["added"] == 1
+    assert Index.open(service["index"]).num_documents == before + 1, "a lost answer must not add the batch twice"
+
+
 def test_changes_by_another_writer_are_served_at_the_next_request(service: dict[str, Any]) -> None:
     """A CLI-style `add` and then `compact` on the index folder, behind the replica's back: the next request
     sees the new document, and nothing reads a segment folder the compaction removed."""
