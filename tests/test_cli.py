@@ -133,6 +133,20 @@ def test_serve_limits_out_of_range_give_one_line_error_before_ray_starts(
     assert err.count("\n") == 1 and message in err and err.startswith("rasd: error:")
 
 
+def test_serve_beyond_loopback_without_a_key_is_refused_before_ray_starts(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    def no_ray(*_: object, **__: object) -> None:
+        raise AssertionError("Ray must not start for a keyless service beyond loopback")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.delenv("RASD_API_KEY", raising=False)
+    code, out, err = run_cli(capsys, "serve", "--host", "0.0.0.0")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--host 0.0.0.0 without an API key" in err and "--insecure-no-key" in err
+
+
 def test_serve_config_checks_its_limits() -> None:
     from rasd.serve.config import ServeConfig
 

@@ -91,6 +91,7 @@ def run_serve(args: Any) -> int:
     if args.stop:
         return stop_detached()
     config = ServeConfig.from_args(args)      # checked before any Ray process starts
+    _refuse_open(args.host, config.api_key, getattr(args, "insecure_no_key", False))
     ray_host = args.ray_host
     if args.detach and not args.address:
         ensure_local_cluster(ray_host, args.host, args.port)
@@ -127,6 +128,17 @@ def run_serve(args: Any) -> int:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _refuse_open(host: str, key: str | None, accepted: bool) -> None:
+    """A one-line error, before any Ray process starts, for a keyless service listening beyond this machine,
+    unless the operator said so (`--insecure-no-key`): such a service answers anyone who can reach it, questions
+    and writes into the index alike."""
+    from rasd.errors import CliError
+
+    if key is None and host not in LOOPBACK_HOSTS and not accepted:
+        raise CliError(f"--host {host} without an API key would let anyone who can reach it use the service and "
+                       "write into its index; set --api-key or RASD_API_KEY, or pass --insecure-no-key")
 
 
 def _warn_open(host: str, key: str | None) -> None:

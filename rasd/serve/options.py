@@ -27,6 +27,9 @@ def register(subparsers: Any) -> Any:
     add_config_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--insecure-no-key", action="store_true",
+                   help="serve beyond loopback (--host) without an API key: anyone who can reach it can use the "
+                        "service and write into its index (refused without this flag)")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--ray-host", default="127.0.0.1",
                    help="address the Ray that `rasd serve` starts binds (default 127.0.0.1: this machine only; "
