@@ -53,20 +53,32 @@ def add_repetition_args(p: argparse.ArgumentParser, on: bool) -> None:
     p.add_argument("--stop-on-repetition", action=argparse.BooleanOptionalAction, default=on,
                    help="end the answer once its newest --repetition-window tokens repeat a span it already holds, "
                         f"dropping that repeat (finish reason `repetition`; default: {'on' if on else 'off'})")
-    p.add_argument("--repetition-window", type=int, default=DEFAULT_WINDOW, metavar="N",
-                   help=f"tokens that must repeat for --stop-on-repetition (default {DEFAULT_WINDOW})")
+    p.add_argument("--repetition-window", type=int, default=None, metavar="N",
+                   help=f"with --stop-on-repetition: tokens that must repeat (default {DEFAULT_WINDOW})")
+
+
+def repetition_window(args: argparse.Namespace) -> int:
+    """The repetition stop's window from the flags (0: off); a ValueError for a window out of range, or one
+    given with the stop off (it would be ignored)."""
+    from rasd.decoding.runtime.repetition import DEFAULT_WINDOW, check_window
+
+    if args.repetition_window is not None and not args.stop_on_repetition:
+        raise ValueError("--repetition-window needs --stop-on-repetition")
+    if not args.stop_on_repetition:
+        return 0
+    window = DEFAULT_WINDOW if args.repetition_window is None else args.repetition_window
+    try:
+        return check_window(window)
+    except ValueError as exc:
+        raise ValueError(f"--repetition-window {window}: {exc}") from exc
 
 
 def repetition_from_args(args: argparse.Namespace) -> int:
-    """The repetition window to decode with (0: off); a bad window is a one-line error."""
-    from rasd.decoding.runtime.repetition import check_window
-
-    if not args.stop_on_repetition:
-        return 0
+    """`repetition_window`, its errors one-line `CliError`s."""
     try:
-        return check_window(args.repetition_window)
+        return repetition_window(args)
     except ValueError as exc:
-        raise CliError(f"--repetition-window: {exc}") from exc
+        raise CliError(str(exc)) from exc
 
 
 def sampling_from_args(args: argparse.Namespace) -> Any:

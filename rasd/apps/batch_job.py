@@ -31,7 +31,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rasd.cli_options import add_repetition_args
+from rasd.cli_options import add_repetition_args, repetition_window
 from rasd.decoding.runtime.repetition import DEFAULT_WINDOW, check_window
 from rasd.fsio import crash_point, fsync_dir, write_json_atomic
 
@@ -386,6 +386,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _repetition(args: argparse.Namespace) -> int:
+    """The flags' repetition window, a bad one as a `BatchError`."""
+    try:
+        return repetition_window(args)
+    except ValueError as exc:
+        raise BatchError(str(exc)) from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
@@ -394,8 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                            concurrency=args.concurrency, limit=args.limit, model=args.model, top_k=args.top_k,
                            num_cpus=args.num_cpus, num_gpus=args.num_gpus, resources=args.resources,
                            batch_size=args.batch_size, address=args.address,
-                           progress=not args.no_progress,
-                           repetition=args.repetition_window if args.stop_on_repetition else 0)
+                           progress=not args.no_progress, repetition=_repetition(args))
     except BatchError as exc:
         print(f"rasd batch: error: {exc}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rasd.decoding.runtime.repetition import DEFAULT_WINDOW, check_window
+from rasd.cli_options import add_repetition_args, repetition_window
 from rasd.eval.aggregate import build_results
 from rasd.eval.bench_output import format_table, plot_speedups, write_answers, write_results
 from rasd.eval.datasets import BenchItem, BenchPrompt, load_items, prepare_prompts
@@ -156,11 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", default=None, metavar="PATH",
                         help="the GGUF file the llamacpp baseline runs (default: the embedded model's own, for "
                              "--model default; required for any other --model)")
-    parser.add_argument("--stop-on-repetition", action="store_true",
-                        help="end an answer once its newest tokens repeat a span it already holds, dropping them "
-                             "(every method and baseline alike: the engine's `repetition` rule)")
-    parser.add_argument("--repetition-window", type=int, default=None, metavar="N",
-                        help=f"with --stop-on-repetition: tokens that must repeat (default {DEFAULT_WINDOW})")
+    add_repetition_args(parser, on=False)   # every method and baseline alike: the engine's `repetition` rule
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--out", default=None, help="write results.json here")
@@ -209,19 +205,6 @@ def _validate(args: argparse.Namespace, methods: list[str]) -> None:
             except ValueError as exc:
                 hint = f" (or a baseline: {', '.join(BASELINES)})" if name.partition(":")[0] not in METHODS else ""
                 raise ValueError(f"{exc}{hint}") from exc
-
-
-def repetition_window(args: argparse.Namespace) -> int:
-    """The repetition stop's window from the flags (0: off); a window out of range is a one-line error."""
-    if args.repetition_window is not None and not args.stop_on_repetition:
-        raise ValueError("--repetition-window needs --stop-on-repetition")
-    if not args.stop_on_repetition:
-        return 0
-    window = DEFAULT_WINDOW if args.repetition_window is None else args.repetition_window
-    try:
-        return check_window(window)
-    except ValueError as exc:
-        raise ValueError(f"--repetition-window {window}: {exc}") from exc
 
 
 def _llamacpp_gguf(args: argparse.Namespace, methods: list[str]) -> Path | None:

@@ -202,7 +202,6 @@ class GenerationStream:
         # (only a held-back tail is ever dropped, `_release`), so another thread may read the sources of the
         # tokens it has been handed while this one goes on decoding
         self.token_sources: list[str] = []
-        self.last_sources: list[str] = []   # the sources of the last released block
         self.released = 0                    # generated tokens handed out so far (the rest are held back)
         # per verification step, the sources of the tokens it committed (held back or not); append-only, so a
         # reader may take step k's entry once step k's block was handed out
@@ -378,7 +377,6 @@ class GenerationStream:
                 del self.token_logprobs[drop:]
         end = len(self.generated) - (self.checker.held if self.reason is None else 0)
         block = self.generated[self.released:end]
-        self.last_sources = self.token_sources[self.released:end]
         self.released = max(end, self.released)
         return block
 
