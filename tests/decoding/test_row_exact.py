@@ -254,3 +254,47 @@ def test_a_prompt_prefilled_in_two_parts_holds_the_same_kv_bits_as_at_once() -> 
     assert torch.equal(at_once, in_two)
     for a, b in zip(whole.layers, parts.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 16)], ids=["smollm2", "tiny"])
+def test_the_attention_rule_gives_a_node_plain_decodings_bits_in_a_call_with_others(
+        heads: tuple[int, int, int], threads: int) -> None:
+    """Chains of 12 nodes after contexts on both sides of `GRID` cells and the kernel's 512-key blocks: each node
+    run with its chain (one group, a call per cell) equals it run as a plain step at its own length."""
+    from rasd.decoding.step.verify import tree_inputs
+
+    h, h_kv, d = heads
+    gen = torch.Generator().manual_seed(3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for past in (5, 60, 64, 100, 505, 511, 512, 1500):
+            width = 12
+            span = -(-(past + width) // exact_attention.GRID) * exact_attention.GRID
+            keys, values = (torch.randn(1, h_kv, span, d, generator=gen) for _ in range(2))
+            query = torch.randn(1, h, width, d, generator=gen)
+            _, _, mask = tree_inputs(DraftTree.chain(1, list(range(2, width + 1)), "t"), past, torch.float32, "cpu")
+            (chain,) = plans = exact_attention.plan(mask)
+            assert len(chain.groups) == 1 and len(chain.groups[0].calls) == len({-(-n.length // 64)
+                                                                                for n in chain.nodes})
+            together = exact_attention.attend(query, keys, values, plans, None)
+            for j in range(width):
+                alone = exact_attention.attend(query[:, :, j: j + 1], keys, values,
+                                               exact_attention.plain(1, past + j), None)
+                assert torch.equal(alone[:, :, 0], together[:, :, j]), f"past {past}, node {j}"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_branch_starts_a_new_group_and_a_chain_is_one() -> None:
+    from rasd.decoding.step.verify import tree_inputs
+
+    tree = DraftTree(tokens=[5, 6, 7, 8, 9], parents=[-1, 0, 1, 0, 3], sources=["root"] + ["t"] * 4,
+                     scores=[1.0] * 5)
+    _, _, mask = tree_inputs(tree, 62, torch.bfloat16, "cpu")
+    (row,) = exact_attention.plan(mask)
+    # 0, 1, 2 lie in place (one group; lengths 63 | 64, 65: two cells); 3 overwrites 1's slot, 4 overwrites 2's
+    assert [[n.query for n in g.writes] for g in row.groups] == [[], [3, 4]]
+    assert [[c.queries[: c.kept].tolist() for c in g.calls] for g in row.groups] == [[[0, 1], [2]], [[3], [4]]]
+    assert all(len(c.queries) >= exact_attention.MIN_QUERIES for g in row.groups for c in g.calls)

@@ -47,11 +47,19 @@ def forward(model: torch.nn.Module, cache: TreeCache, input_ids: torch.Tensor, p
     if exactly and mask is None and input_ids.shape[1] > 1:   # a prompt: in chunks on the grid (`_on_grid`)
         hidden = _on_grid(model.model, cache, input_ids, position_ids)
     else:
-        plans = exact_attention.plan(mask) if exactly and mask is not None else None
+        plans = _plans(cache, input_ids, mask) if exactly else None
         hidden = _decode(model.model, cache, input_ids, position_ids, mask, plans)
     # normed at every position (cheap) before the cut, so a feature reader (`decoding.features`) sees them all
     normed = model.model.norm(hidden)
     return model.lm_head(normed[:, -1:] if last_only else normed)
+
+
+def _plans(cache: TreeCache, input_ids: torch.Tensor, mask: torch.Tensor | None
+           ) -> list[exact_attention.RowPlan] | None:
+    """Exact attention's plans for a step (a plain step's too: it must run the rule its tree nodes run)."""
+    if mask is not None:
+        return exact_attention.plan(mask)
+    return exact_attention.plain(input_ids.shape[0], cache.get_seq_length(), input_ids.device)
 
 
 PROMPT_GRID = 64   # reduced precision: prompt tokens run in chunks that start on multiples of this (`_on_grid`)
@@ -179,6 +187,7 @@ def _layer(layer: torch.nn.Module, kv: Any, hidden: torch.Tensor, cos: torch.Ten
     q, k, v = _attention_dtype(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
     k, v = kv.update(k, v)                                               # [B, H_kv, past + T, D]
     if plans is not None:
+        k, v = kv.window(max(rp.span for rp in plans))                   # [B, H_kv, >= past + T, D]
         o = exact_attention.attend(q, k, v, plans, attn.scaling)
     else:
         if pad:
@@ -288,6 +297,7 @@ def _layer_mixed(layer: torch.nn.Module, kvs: tuple[Any, Any], hidden: torch.Ten
         qp, kp, vp = _attention_dtype(_rotate(qp, cos, sin), _rotate(kp, cos, sin), vp)
         kp, vp = kv.update(kp, vp)
         if part == 0 and plans is not None:
+            kp, vp = kv.window(max(rp.span for rp in plans))
             o = exact_attention.attend(qp, kp, vp, plans, attn.scaling)
         else:
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=None if mask is None else mask.to(qp.dtype),

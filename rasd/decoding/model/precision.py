@@ -39,7 +39,7 @@ from rasd.paths import rasd_home, slug
 
 AUTO = "auto"
 REFERENCE = "float32"
-PROBE_VERSION = 3            # bump when what is timed or checked changes what wins
+PROBE_VERSION = 4            # bump when what is timed or checked changes what wins
 CONTEXT_TOKENS = 512         # the probe's prompt: a typical document-QA request's context
 TREE_NODES = 8               # the tree step timed beside a plain one (a chain: every node's path in place)
 LONG_NODES = 32              # and a long one: a copied answer's chain, or 8 batched rows of 4-node trees

@@ -55,10 +55,9 @@ class SlotLayer(GrowableLayer):
     def setup(self, like: torch.Tensor, slots: int, capacity: int) -> None:
         self.device = like.device
         self.length, self.rows = 0, 0
-        # uninitialised: a slot is written up to the shared end when a row joins (`put_row`), and entries past
-        # it are written by the step that appends them before anything reads them
-        self._kstore = like.new_empty((slots, like.shape[1], capacity, like.shape[-1]))
-        self._vstore = torch.empty_like(self._kstore)
+        # zeroed: exact attention reads masked slots past the shared end (`GrowableLayer.window`)
+        self._kstore = like.new_zeros((slots, like.shape[1], capacity, like.shape[-1]))
+        self._vstore = torch.zeros_like(self._kstore)
         self.is_initialized = True
         self._point()
 
@@ -80,7 +79,7 @@ class SlotLayer(GrowableLayer):
     def _regrow(self, slots: int, capacity: int) -> None:
         for name in ("_kstore", "_vstore"):
             old = getattr(self, name)
-            new = old.new_empty((slots, old.shape[1], capacity, old.shape[-1]))
+            new = old.new_zeros((slots, old.shape[1], capacity, old.shape[-1]))
             new[: self.rows, :, : self.length] = old[: self.rows, :, : self.length]
             setattr(self, name, new)
         self._point()

@@ -43,7 +43,7 @@ class GrowableLayer(DynamicLayer):
         new_cap = max(MIN_CAPACITY, needed, 2 * capacity)
         for name in ("_kbuf", "_vbuf"):
             old = getattr(self, name)
-            new = old.new_empty((*old.shape[:2], new_cap, old.shape[-1]))
+            new = old.new_zeros((*old.shape[:2], new_cap, old.shape[-1]))   # zeros: see `window`
             new[..., : self.length, :] = old[..., : self.length, :]
             setattr(self, name, new)
 
@@ -59,6 +59,14 @@ class GrowableLayer(DynamicLayer):
         self.length += n
         self._refresh_views()
         return self.keys, self.values
+
+    def window(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the first max(span, length) slots, for exact attention's calls, which read keys up to a
+        grid past the cache's length (`exact_attention`), masked. Why those slots are finite: buffers are
+        allocated zeroed and only ever hold entries, so a masked score is never NaN."""
+        self._ensure_capacity(span)
+        end = max(span, self.length)
+        return self._kbuf[..., :end, :], self._vbuf[..., :end, :]
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
