@@ -97,17 +97,21 @@ def _assert_committed(root: Path, states: dict[int, list], allowed: tuple[int, .
 def _assert_clean(root: Path) -> None:
     index = Index.open(root)
     listed = {s.name for s in index.segments}
-    ours = {p.name for p in root.iterdir() if p.name.startswith(("seg-", ".tmp-", "manifest.json.tmp"))}
+    ours = {p.name for p in root.iterdir() if p.name.startswith(("seg-", ".tmp-", "manifest.json.tmp"))
+            or ".json.tmp" in p.name}
     assert ours == listed
 
 
-@pytest.mark.parametrize("stage", ["segment-files", "segment-renamed", "manifest-temp", "committed"])
+@pytest.mark.parametrize("stage", ["segment-files", "segment-renamed", "manifest-temp", "manifest-claimed",
+                                   "manifest-temp-copy", "committed"])
 def test_add_killed_at_stage(stage: str, tiny_tok: str, states: dict, tmp_path: Path) -> None:
+    """`manifest-claimed` / `manifest-temp-copy`: the numbered manifest is committed, manifest.json not yet
+    replaced: readers and the next writer take the numbered one."""
     docs = topic_documents()
     root = tmp_path / "i"
     build_index(docs[:3], root, model=tiny_tok, chunk_tokens=24, overlap=6)
     assert _run("add", root, docs[3:], tiny_tok, crash_at=stage) == CRASH_EXIT_CODE
-    expect = 6 if stage == "committed" else 3
+    expect = 6 if stage in ("manifest-claimed", "manifest-temp-copy", "committed") else 3
     assert _assert_committed(root, states, (expect,)) == expect
     if expect == 3:                                                  # the next writer succeeds and cleans up
         add_documents(root, docs[3:])
