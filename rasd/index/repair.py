@@ -215,7 +215,7 @@ def _settings(root: Path, manifests: list[dict[str, Any]], chosen: list[str], mo
     first = Segment(root / chosen[0], _describe(root / chosen[0], RepairReport(root)) or {}, use_gpu=False)
     tok = load_tokenizer(model)
     text = first.document(first.doc_id_start).text
-    if tokenize_documents(tok, [text])[0].ids != first.document_tokens(first.doc_id_start):
+    if list(tokenize_documents(tok, [text])[0].ids) != first.document_tokens(first.doc_id_start):
         raise IndexInputError(f"{root}: the segments were not tokenized by {model!r}; pass --model with the "
                               "model the index was built with")
     dim = int(first.vectors.d)
