@@ -176,13 +176,16 @@ class Recorder:
 
 
 def _check_durable_order(rec: Recorder, root: str) -> None:
-    """fsync files -> fsync dir -> rename -> fsync parent, for every segment; mkdir then fsync parent;
+    """fsync files -> fsync dir -> rename -> fsync parent, for every segment; mkdir then fsync parent (before
+    the next rename);
     the manifest claimed (link) only after all that, and old segments removed only after the commit."""
     calls = rec.calls
     for i, call in enumerate(calls):
         if call[0] == "mkdir" and not call[1].startswith("/"):
             parent = call[1].rpartition("/")[0]
-            assert ("fsync", parent) in calls[i + 1:], f"no fsync of {parent} after mkdir {call[1]}"
+            upto = next((j for j in range(i + 1, len(calls)) if calls[j][0] in ("rename", "replace", "link")),
+                        len(calls))
+            assert ("fsync", parent) in calls[i + 1:upto], f"no fsync of {parent} after mkdir {call[1]}"
     seg_renames = [c for c in calls if c[0] == "rename" and "/seg-" in c[2]]
     claims = [c for c in calls if c[0] == "link" and "/manifest-" in c[2]]
     assert seg_renames and len(claims) == 1, calls
