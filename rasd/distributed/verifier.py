@@ -236,7 +236,11 @@ class RemoteBackend(DecodingBackend):
 
     def add_segments(self) -> None:
         """Best effort: the documents are already durable, and a verifier that is restarting reopens the
-        index (its latest committed state) when it comes back, so a failed refresh must not fail the ingest."""
+        index (its latest committed state) when it comes back, so a failed refresh must not fail the ingest.
+        A hung one is not waited for: its next request reopens the index, whose manifest changed."""
+        if self.watch is not None and self.watch.hung() is not None:
+            print("rasd: the verifier hangs; it reopens the index at its next request", file=sys.stderr)
+            return
         try:
             ray.get(self.actor.refresh_index.remote(), timeout=120.0)
         except Exception as exc:   # noqa: BLE001
