@@ -564,7 +564,7 @@ def _kill(cfg: FaultConfig, phase: str, selector: Callable[[ActorInfo], bool] | 
         monitor.start()
         return monitor
     before = sorted((a for a in alive_actors() if selector(a)), key=lambda a: a.actor_id) or candidates
-    victim = before[0]
+    victim = busiest(cfg.url, before) if phase == "hung" else before[0]
     result["killed"] = {"class_name": victim.class_name, "actor_id": victim.actor_id, "pid": victim.pid,
                         "name": victim.name}
     if phase == "hung":
@@ -583,6 +583,13 @@ def _kill(cfg: FaultConfig, phase: str, selector: Callable[[ActorInfo], bool] | 
     monitor = RecoveryMonitor(cfg.url, selector, before, victim, cfg.phase_timeout_s)
     monitor.start()
     return monitor
+
+
+def busiest(url: str, verifiers: list[ActorInfo]) -> ActorInfo:
+    """The verifier whose replica runs the most requests (`/healthz` names each replica's verifier), so that
+    stopping it has requests to fail; the first one when none is named."""
+    running = {r.get("verifier"): r.get("running", 0) for r in (healthz(url) or {}).get("replicas", [])}
+    return max(verifiers, key=lambda a: running.get(a.name, 0))
 
 
 def _finish(future: Any, cfg: FaultConfig) -> dict[str, Any]:
