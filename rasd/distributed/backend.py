@@ -138,7 +138,12 @@ class DecodingBackend(ABC):
 
     @abstractmethod
     def health_problem(self) -> str | None:
-        """Why decoding is stuck, or None."""
+        """Why decoding is stuck so that restarting this process would help, or None."""
+
+    def unavailable(self) -> str | None:
+        """Why requests cannot be decoded now though this process is fine (a verifier actor that hangs): /healthz
+        reports it, Serve's restart does not cure it. Default: never."""
+        return None
 
     @abstractmethod
     def add_segments(self) -> None:
