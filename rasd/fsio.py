@@ -3,8 +3,10 @@
 Why each piece:
 - A rename is atomic but not durable until the directory is fsynced, and the renamed files' data is only
   safe once the files themselves were fsynced; so write → fsync files → fsync dir → rename → fsync parent.
-- One writer at a time per index (an flock on DIR/.lock, released by the kernel if the writer dies), so two
-  `rasd index add` runs cannot both read manifest N and both commit N+1, losing a segment.
+- A new directory's entry lives in its parent: `mkdir_durable` fsyncs the parent after each mkdir, so a file
+  fsynced inside a new directory is not lost with the directory after a power cut.
+- One writer at a time per index (an flock on DIR/.lock, released by the kernel if the writer dies). Where
+  locks do not hold across nodes the index's commit is a compare-and-swap as well (`rasd.index.manifest`).
 - `RASD_INDEX_CRASH_AT=<stage>` makes the process `os._exit` at that stage, so a test can kill a real
   process at exactly the points where a crash could corrupt the index.
 """
@@ -50,6 +52,31 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def mkdir_durable(path: Path) -> None:
+    """Create `path` and any missing parents, fsyncing each new directory's parent (its entry lives there)."""
+    path = Path(path)
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+            continue
+        fsync_dir(folder.parent)
+
+
+def write_file_durable(path: Path, data: bytes) -> None:
+    """Write `data` to a new file and fsync it (its directory entry is the caller's to fsync)."""
+    with open(path, "xb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def sha256_file(path: Path, block: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -58,15 +85,33 @@ def sha256_file(path: Path, block: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+SAMPLED_BLOCKS, SAMPLED_BLOCK_BYTES = 32, 64 << 10
+
+
+def sampled_sha256(path: Path, size: int | None = None) -> str:
+    """sha256 of the size and SAMPLED_BLOCKS evenly spaced blocks (first and last included): a check cheap
+    enough for every open of a file too large to hash in full each time (a flipped byte between the blocks
+    goes unseen: the full sha256 is for `verify`)."""
+    size = path.stat().st_size if size is None else size
+    digest = hashlib.sha256(str(size).encode())
+    span = max(size - SAMPLED_BLOCK_BYTES, 0)
+    with open(path, "rb") as fh:
+        for i in range(SAMPLED_BLOCKS):
+            fh.seek(span * i // (SAMPLED_BLOCKS - 1))
+            digest.update(fh.read(SAMPLED_BLOCK_BYTES))
+    return digest.hexdigest()
+
+
 @contextlib.contextmanager
-def atomic_file(path: Path | str, mode: str = "w", stage: str | None = None) -> Iterator[Any]:
+def atomic_file(path: Path | str, mode: str = "w", stage: str | None = None, tag: str = "") -> Iterator[Any]:
     """Open a temporary sibling of `path` for writing; on a clean exit fsync it, rename it over `path` and
     fsync the directory. Readers see the old file or the new one, never half of one; on an error the
-    temporary is removed and `path` is untouched. `stage` names the crash hook before the rename."""
+    temporary is removed and `path` is untouched. `stage` names the crash hook before the rename; `tag` goes
+    into the temporary's name (a leftover-cleaning writer reads it)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # `<name>.tmp-<pid>-<thread>`: unique per writer, and recognisable as a leftover after a crash
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    mkdir_durable(path.parent)
+    # `<name>.tmp-<tag><pid>-<thread>`: unique per writer, and recognisable as a leftover after a crash
+    tmp = path.with_name(f"{path.name}.tmp-{tag}{os.getpid()}-{threading.get_ident()}")
     try:
         with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
             yield fh
@@ -80,13 +125,13 @@ def atomic_file(path: Path | str, mode: str = "w", stage: str | None = None) -> 
     fsync_dir(path.parent)
 
 
-def write_json_atomic(path: Path, obj: Any, stage: str | None = None) -> None:
+def write_json_atomic(path: Path, obj: Any, stage: str | None = None, tag: str = "") -> None:
     """Write JSON to a temporary sibling, fsync, rename over `path`, fsync the directory.
 
     The rename is the commit point: readers see either the old file or the new one, never a mix.
     `stage` names the crash hook between the fsynced temporary and the rename.
     """
-    with atomic_file(path, stage=stage) as fh:
+    with atomic_file(path, stage=stage, tag=tag) as fh:
         json.dump(obj, fh, indent=2, sort_keys=False)
         fh.write("\n")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import uuid
 from abc import ABC, abstractmethod
@@ -139,7 +138,12 @@ class DecodingBackend(ABC):
 
     @abstractmethod
     def health_problem(self) -> str | None:
-        """Why decoding is stuck, or None."""
+        """Why decoding is stuck so that restarting this process would help, or None."""
+
+    def unavailable(self) -> str | None:
+        """Why requests cannot be decoded now though this process is fine (a verifier actor that hangs): /healthz
+        reports it, Serve's restart does not cure it. Default: never."""
+        return None
 
     @abstractmethod
     def add_segments(self) -> None:
@@ -162,8 +166,10 @@ class IndexHolder:
     def __init__(self, path: str | None, target: Any, compute: ComputeThread, shards: int = 0):
         self.path, self.target, self.compute, self.shards = path, target, compute, shards
         self._reopen_lock = threading.Lock()
-        self.stamp = manifest_stamp(path)
-        self.index: Any = compute.run(self._open) if path else None
+        self.stamp: Any = None
+        self.index: Any = None
+        if path:
+            self.replace(compute.run(self._open))
 
     def _open(self) -> Any:
         from rasd.index.store import Index, check_tokenizer
@@ -180,25 +186,27 @@ class IndexHolder:
     def reopen(self) -> None:
         """Serve the latest committed state."""
         if self.path:
-            stamp = manifest_stamp(self.path)
-            self.index = self.compute.run(self._open)
-            self.stamp = stamp
+            self.replace(self.compute.run(self._open))
 
     def fresh(self) -> Any:
         """The index as any writer last committed it: reopened when its manifest changed since it was opened."""
-        if self.index is not None and manifest_stamp(self.path) != self.stamp:
+        from rasd.index.manifest import stamp_changed
+
+        if self.index is not None and stamp_changed(self.path, self.stamp):
             # never blocking: an ingest in progress waits on the compute thread, which may be the caller
             if self._reopen_lock.acquire(blocking=False):
                 try:
-                    if manifest_stamp(self.path) != self.stamp:
+                    if stamp_changed(self.path, self.stamp):
                         self.reopen()
                 finally:
                     self._reopen_lock.release()
         return self.index
 
     def replace(self, index: Any) -> None:
-        """The state this process just committed (an ingest): served without reopening it."""
-        self.index, self.stamp = index, manifest_stamp(self.path)
+        """Serve `index` (this process's own ingest, or a reopen), stamped with the manifest it was opened from:
+        never the manifest on disk now, which another writer may have committed after that read, and which this
+        replica would then never notice (an index without a stamp is reopened at the next request)."""
+        self.index, self.stamp = index, getattr(index, "stamp", None)
 
 
 class LocalBackend(DecodingBackend):
@@ -399,17 +407,6 @@ class LocalBackend(DecodingBackend):
         if self.drafts is not None:
             self.drafts.close()
         self.save_recycling_quietly()   # a read-only home must not turn a clean shutdown into a crash
-
-
-def manifest_stamp(index: str | None) -> tuple[int, int, int] | None:
-    """What changes when any writer commits the index (an atomic rename of its manifest): inode, size, mtime."""
-    if not index:
-        return None
-    try:
-        st = os.stat(os.path.join(index, "manifest.json"))
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def finish_draft(stream: Any) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from rasd.errors import ApiError
-from rasd.index.manifest import read_manifest
+from rasd.index.manifest import read_manifest_stamped
 from rasd.index.store import Hit, Index, IndexReader
 
 LOOKUP_TIMEOUT_S = 0.5     # a lookup slower than this costs more than the drafts it could give
@@ -139,10 +139,10 @@ class ShardedIndex(IndexReader):
         """(Re)read the manifest and (re)start shards for its segments, e.g. after an ingest added one."""
         import ray
 
-        manifest = read_manifest(self.root)
+        manifest, stamp = read_manifest_stamped(self.root)
         Index.open(self.root)       # validates the committed state (one-line error when missing/corrupt)
         self.close()
-        self.manifest = manifest
+        self.manifest, self.stamp = manifest, stamp    # the stamp of what the shards serve (IndexHolder)
         names = [e["name"] for e in manifest["segments"]]
         self.assignment = assign_segments(names, self.num_shards)
         remote = ray.remote(RetrievalShard).options(**self.actor_options)

@@ -12,6 +12,11 @@ those promises on a real service, one phase per target:
   no_restart=False)`: the `TargetVerifier` actor when the service runs with `--verifier-actor` (Ray restarts
   it; requests in flight get a 503 from the replica, which lives on), else the Serve replica of `RasdServer`
   (Serve starts a new replica; requests in flight get Serve's bare 500).
+- `hung`: the `TargetVerifier` actor (`--verifier-actor`) is not killed but stopped (SIGSTOP: alive to Ray,
+  answering nothing, as a deadlock looks) for `--hang-s`, then continued (SIGCONT, always). The service must
+  see it (`/healthz` 503 within the phase), end the requests waiting on it with a clear 503 (an error event for
+  a stream) and serve again once it is continued. A streamed question runs through this phase: its longest wait
+  for an event is the table's "max stream gap".
 - `draft`: a `DraftWorker` actor (`rasd-draft-<i>`, when the service has draft workers), `ray.kill` too;
   "skipped" when there is none.
 - `ingest`: no kill; documents are added while requests run.
@@ -50,7 +55,7 @@ from urllib.parse import urlparse
 
 from rasd.eval.load import SAMPLE_QUESTIONS, ask_fresh, run_level
 
-PHASES = ("shard", "verifier", "draft", "ingest")
+PHASES = ("shard", "verifier", "hung", "draft", "ingest")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 SERVE_NAMESPACE = "serve"
 POLL_S = 0.25
@@ -73,6 +78,8 @@ def register(subparsers: Any) -> Any:
     p.add_argument("--top-k-sources", type=int, default=4)
     p.add_argument("--docs-per-phase", type=int, default=1, help="documents ingested after each kill")
     p.add_argument("--ingest-docs", type=int, default=3, help="documents ingested in the `ingest` phase")
+    p.add_argument("--hang-s", type=float, default=20.0,
+                   help="seconds the `hung` phase keeps the verifier stopped (above the service's verifier_timeout_s)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds before a request counts as hung")
     p.add_argument("--phase-timeout", type=float, default=600.0,
                    help="seconds after which a phase starts no request and stops waiting for recovery")
@@ -102,6 +109,7 @@ class FaultConfig:
     request_timeout_s: float = 120.0
     phase_timeout_s: float = 600.0
     accept_wait_s: float = 15.0           # how long to wait for the first request to run before killing anyway
+    hang_s: float = 20.0                  # how long the `hung` phase keeps the verifier stopped
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
 
@@ -195,6 +203,8 @@ def target_selector(phase: str, app: str) -> Callable[[ActorInfo], bool]:
         return lambda a: a.class_name.startswith(f"ServeReplica:{app}:") and "RasdServer" in a.class_name
     if phase == "draft":
         return lambda a: a.class_name.split(".")[-1] == "DraftWorker"
+    if phase == "hung":
+        return is_verifier_actor
     raise ValueError(f"phase {phase!r} kills nothing")
 
 
@@ -205,6 +215,7 @@ def is_verifier_actor(actor: ActorInfo) -> bool:
 
 SKIP_NOTES = {"shard": "skipped: the service has no retrieval shards (start it with --retrieval-shards N)",
               "verifier": "skipped: no RasdServer replica of this app is alive",
+              "hung": "skipped: the service has no verifier actor (start it with --verifier-actor)",
               "draft": "skipped: the service has no draft workers"}
 
 
@@ -226,6 +237,16 @@ def kill_actor(actor: ActorInfo) -> str:
                            f"kills processes on this machine")
     os.kill(actor.pid, signal.SIGKILL)
     return f"SIGKILL pid {actor.pid}"
+
+
+def local_pid(actor: ActorInfo) -> int:
+    """The actor's process, refused when it runs on another node (signals reach only this machine's)."""
+    import ray
+
+    if actor.node_id and actor.node_id != ray.get_runtime_context().get_node_id():
+        raise RuntimeError(f"{actor.class_name} {actor.actor_id[:8]} runs on another node; this script only "
+                           f"signals processes on this machine")
+    return actor.pid
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, interval_s: float = POLL_S) -> float | None:
@@ -386,6 +407,86 @@ class RecoveryMonitor(threading.Thread):
             self.healthz_back_s = time.monotonic() - self.start_time
 
 
+class HangMonitor(threading.Thread):
+    """The `hung` phase's fault: SIGSTOP the verifier, watch `/healthz` turn 503, SIGCONT after `hang_s` (always,
+    even if watching fails), then time `/healthz` back to 200 from the SIGCONT."""
+
+    def __init__(self, url: str, pid: int, hang_s: float, timeout_s: float):
+        super().__init__(daemon=True)
+        self.url, self.pid, self.hang_s, self.timeout_s = url, pid, hang_s, timeout_s
+        self.actor_back_s: float | None = None     # the process runs again: 0 s after the SIGCONT
+        self.healthz_back_s: float | None = None   # from the SIGCONT
+        self.detected_s: float | None = None       # from the SIGSTOP until /healthz said 503
+        os.kill(pid, signal.SIGSTOP)
+        self.stopped_at = time.monotonic()
+
+    def run(self) -> None:
+        try:
+            self.detected_s = wait_until(lambda: _status(self.url) == 503, self.hang_s, 0.5)
+            time.sleep(max(0.0, self.stopped_at + self.hang_s - time.monotonic()))
+        finally:
+            self.resume()
+        if wait_until(lambda: healthy(self.url), self.timeout_s, 0.5) is not None:
+            self.healthz_back_s = time.monotonic() - self.continued_at
+
+    def resume(self) -> None:
+        """SIGCONT (twice is harmless; a process already gone is no error)."""
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        if self.actor_back_s is None:
+            self.continued_at, self.actor_back_s = time.monotonic(), 0.0
+
+
+def _status(url: str) -> int | None:
+    """`/healthz`'s HTTP status, None when it does not answer."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url.rstrip('/')}/healthz", timeout=5.0).status_code
+    except httpx.HTTPError:
+        return None
+
+
+class StreamProbe(threading.Thread):
+    """One streamed question through a phase: how it ended and its longest wait for an event (the first
+    included), so a stream that stalls shows even when it ends well."""
+
+    def __init__(self, cfg: FaultConfig):
+        super().__init__(daemon=True)
+        self.cfg = cfg
+        self.row: dict[str, Any] = {"question": cfg.questions[0], "outcome": "timeout", "max_gap_s": None}
+
+    def run(self) -> None:
+        import httpx
+
+        from rasd.client import ApiError, Client, IncompleteStream
+
+        cfg, row = self.cfg, self.row
+        last = start = time.monotonic()
+        gap, answer, sources = 0.0, None, []
+        try:
+            with Client(cfg.url, api_key=cfg.api_key, retries=0, timeout=cfg.request_timeout_s) as client:
+                for event in client.ask_stream(row["question"], **cfg.params):
+                    now = time.monotonic()
+                    gap, last = max(gap, now - last), now
+                    answer = event.get("answer", answer)
+                    sources = event.get("sources", sources)
+            row.update(outcome="ok", answer=answer,
+                       sources=[[s.get("doc_id"), s.get("chunk_id")] for s in sources])
+        except IncompleteStream as exc:
+            row.update(outcome="incomplete", message=exc.message)
+        except ApiError as exc:
+            row.update(outcome="error", status=exc.status, message=exc.message)
+        except httpx.TimeoutException:
+            row.update(outcome="timeout", message=f"no event in {cfg.request_timeout_s:.0f} s")
+        except Exception as exc:   # noqa: BLE001 - recorded, never raised
+            row.update(outcome="failed", message=f"{type(exc).__name__}: {exc}")
+        row["max_gap_s"] = max(gap, time.monotonic() - last)
+        row["latency_s"] = time.monotonic() - start
+
+
 def probe(cfg: FaultConfig, reference: dict[str, dict[str, Any]], deadline: float) -> dict[str, Any]:
     """One request after the phase, retried until it completes or the deadline: the service answers again."""
     question = cfg.questions[0]
@@ -416,16 +517,28 @@ def run_phase(cfg: FaultConfig, phase: str, reference: dict[str, dict[str, Any]]
         return {"phase": phase, "skipped": True, "notes": SKIP_NOTES[phase], "documents": []}
     deadline = time.monotonic() + cfg.phase_timeout_s
     result: dict[str, Any] = {"phase": phase, "skipped": False}
+    stream = StreamProbe(cfg) if phase == "hung" else None
     with ThreadPoolExecutor(max_workers=1) as pool:
         future = pool.submit(run_level, cfg.url, cfg.api_key, cfg.questions, cfg.concurrency, cfg.params,
                              cfg.request_timeout_s, cfg.phase_timeout_s)
+        if stream is not None:
+            stream.start()
         waited = wait_until(lambda: in_flight(cfg.url) > 0, cfg.accept_wait_s, 0.1)
         result["in_flight_at_kill"] = in_flight(cfg.url) if waited is not None else 0
         monitor = _kill(cfg, phase, selector, candidates, result)
-        docs = ingest(cfg, phase, cfg.ingest_docs if phase == "ingest" else cfg.docs_per_phase)
-        level = _finish(future, cfg)
+        try:
+            docs = ingest(cfg, phase, cfg.ingest_docs if phase == "ingest" else cfg.docs_per_phase)
+            level = _finish(future, cfg)
+        finally:
+            if isinstance(monitor, HangMonitor):   # never leave the verifier stopped, whatever failed here
+                monitor.join(timeout=cfg.hang_s + 10.0)
+                monitor.resume()
     monitor.join(timeout=max(deadline - time.monotonic(), 1.0))
+    if stream is not None:
+        stream.join(timeout=cfg.request_timeout_s)
+        result["stream"] = _judge_stream(stream.row, reference)
     result.update(actor_back_s=monitor.actor_back_s, healthz_back_s=monitor.healthz_back_s,
+                  detected_s=getattr(monitor, "detected_s", None),
                   probe=probe(cfg, reference, deadline + cfg.request_timeout_s), documents=docs,
                   wall_s=level.get("wall_s"), rows=level["rows"], **judge(level["rows"], reference))
     result["recovery_s"] = _recovery(result)
@@ -433,17 +546,36 @@ def run_phase(cfg: FaultConfig, phase: str, reference: dict[str, dict[str, Any]]
     return result
 
 
+def _judge_stream(row: dict[str, Any], reference: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The streamed question's row, with `wrong` when it completed with another answer than the fault-free one
+    over the same sources."""
+    ref = reference.get(row["question"])
+    row["wrong"] = bool(row["outcome"] == "ok" and ref is not None and sources_key(row) == sources_key(ref)
+                        and row.get("answer") != ref["answer"])
+    return row
+
+
 def _kill(cfg: FaultConfig, phase: str, selector: Callable[[ActorInfo], bool] | None,
-          candidates: list[ActorInfo], result: dict[str, Any]) -> RecoveryMonitor:
-    """Kill the phase's target now (re-listed: an ingest may have replaced the shards) and watch it return."""
+          candidates: list[ActorInfo], result: dict[str, Any]) -> RecoveryMonitor | HangMonitor:
+    """Kill (or, `hung`, stop) the phase's target now (re-listed: an ingest may have replaced the shards) and
+    watch it return."""
     if selector is None:
         monitor = RecoveryMonitor(cfg.url, None, [], None, cfg.phase_timeout_s)
         monitor.start()
         return monitor
     before = sorted((a for a in alive_actors() if selector(a)), key=lambda a: a.actor_id) or candidates
-    victim = before[0]
+    victim = busiest(cfg.url, before) if phase == "hung" else before[0]
     result["killed"] = {"class_name": victim.class_name, "actor_id": victim.actor_id, "pid": victim.pid,
                         "name": victim.name}
+    if phase == "hung":
+        try:
+            hang = HangMonitor(cfg.url, local_pid(victim), cfg.hang_s, cfg.phase_timeout_s)
+        except (RuntimeError, OSError) as exc:
+            result["kill"] = f"failed: {type(exc).__name__}: {exc}"
+            return _kill(cfg, "ingest", None, [], {})   # nothing stopped: only wait for /healthz
+        hang.start()
+        result["kill"] = f"SIGSTOP pid {victim.pid} for {cfg.hang_s:g} s, then SIGCONT"
+        return hang
     try:
         result["kill"] = kill_actor(victim)
     except Exception as exc:
@@ -451,6 +583,13 @@ def _kill(cfg: FaultConfig, phase: str, selector: Callable[[ActorInfo], bool] | 
     monitor = RecoveryMonitor(cfg.url, selector, before, victim, cfg.phase_timeout_s)
     monitor.start()
     return monitor
+
+
+def busiest(url: str, verifiers: list[ActorInfo]) -> ActorInfo:
+    """The verifier whose replica runs the most requests (`/healthz` names each replica's verifier), so that
+    stopping it has requests to fail; the first one when none is named."""
+    running = {r.get("verifier"): r.get("running", 0) for r in (healthz(url) or {}).get("replicas", [])}
+    return max(verifiers, key=lambda a: running.get(a.name, 0))
 
 
 def _finish(future: Any, cfg: FaultConfig) -> dict[str, Any]:
@@ -484,6 +623,14 @@ def phase_notes(result: dict[str, Any]) -> str:
             notes.append(f"{result[key]} {label}")
     for message, n in result.get("error_messages", {}).items():
         notes.append(f"{n}x {message}")
+    if result["phase"] == "hung":
+        detected = result.get("detected_s")
+        notes.append("/healthz never said 503 while the verifier was stopped" if detected is None else
+                     f"/healthz 503 after {detected:.1f} s")
+    stream = result.get("stream")
+    if stream is not None:
+        notes.append(f"stream: {stream['outcome']}" + (f" {stream['status']}" if stream.get("status") else "")
+                     + (" WRONG" if stream["wrong"] else ""))
     probe_row = result.get("probe", {})
     notes.append("probe answered" + ("" if probe_row.get("same_as_reference") in (True, None) else
                                      " DIFFERENTLY") if probe_row.get("outcome") == "ok" else
@@ -580,6 +727,12 @@ def violations(summary: dict[str, Any]) -> list[str]:
             out.append(f"{p['phase']}: the service did not answer correctly after recovery")
         if str(p.get("kill", "")).startswith("failed"):
             out.append(f"{p['phase']}: the kill {p['kill']}")
+        if p["phase"] == "hung" and p.get("detected_s") is None:
+            out.append("hung: /healthz never reported the stopped verifier")
+        stream = p.get("stream")
+        if stream is not None and (stream["wrong"] or stream["outcome"] not in ("ok", "error")):
+            out.append(f"{p['phase']}: the streamed question ended {stream['outcome']}"
+                       + (" with a wrong answer" if stream["wrong"] else ""))
     if summary["durability"]["lost"]:
         out.append(f"acknowledged documents not found: {', '.join(summary['durability']['lost'])}")
     return out
@@ -591,14 +744,16 @@ def _cell(value: float | None) -> str:
 
 def format_fault_table(summary: dict[str, Any]) -> str:
     """Markdown: one row per phase, then the durability line and any broken promise."""
-    lines = ["| phase | requests | completed | clear errors | hung | wrong tokens | recovery s | notes |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| phase | requests | completed | clear errors | hung | wrong tokens | recovery s | max stream gap s "
+             "| notes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for p in summary["phases"]:
         if p.get("skipped"):
-            lines.append(f"| {p['phase']} | - | - | - | - | - | - | {p['notes']} |")
+            lines.append(f"| {p['phase']} | - | - | - | - | - | - | - | {p['notes']} |")
             continue
+        gap = _cell((p.get("stream") or {}).get("max_gap_s"))
         lines.append(f"| {p['phase']} | {p['requests']} | {p['completed']} | {p['clear_errors']} | {p['hung']} | "
-                     f"{p['wrong']} | {_cell(p['recovery_s'])} | {p['notes']} |")
+                     f"{p['wrong']} | {_cell(p['recovery_s'])} | {gap} | {p['notes']} |")
     d = summary["durability"]
     disk = "" if d["on_disk"] is None else f", {d['on_disk']} on disk, {d['searchable']} found by search"
     lines.append(f"\ndocuments: {d['acknowledged']}/{d['sent']} acknowledged{disk}, {d['served']} retrieved by "
@@ -631,7 +786,7 @@ def run_fault_cli(args: Any) -> int:
                       questions=questions, concurrency=args.concurrency,
                       params={"max_tokens": args.max_tokens, "method": args.method,
                               "top_k_sources": args.top_k_sources, "temperature": 0},
-                      docs_per_phase=args.docs_per_phase, ingest_docs=args.ingest_docs,
+                      docs_per_phase=args.docs_per_phase, ingest_docs=args.ingest_docs, hang_s=args.hang_s,
                       request_timeout_s=args.request_timeout, phase_timeout_s=args.phase_timeout)
     connect_ray(args.address)
     summary = run_fault(cfg)

@@ -10,11 +10,17 @@ Heavy dependencies (torch, transformers, sentence-transformers, faiss) load only
 """
 
 from rasd.index.documents import Document, load_documents
-from rasd.index.errors import IndexInputError, IndexOpenError, IndexStoreError, TokenizerMismatchError
+from rasd.index.errors import (
+    CommitConflict,
+    IndexInputError,
+    IndexOpenError,
+    IndexStoreError,
+    TokenizerMismatchError,
+)
 from rasd.index.store import Hit, Index, Segment, check_tokenizer
 from rasd.index.suffix_array import SEP, SuffixArray
 from rasd.index.writer import add_documents, build_index, compact_index
 
-__all__ = ["SEP", "Document", "Hit", "Index", "IndexInputError", "IndexOpenError", "IndexStoreError", "Segment",
-           "SuffixArray", "TokenizerMismatchError", "add_documents", "build_index", "check_tokenizer",
-           "compact_index", "load_documents"]
+__all__ = ["SEP", "CommitConflict", "Document", "Hit", "Index", "IndexInputError", "IndexOpenError",
+           "IndexStoreError", "Segment", "SuffixArray", "TokenizerMismatchError", "add_documents", "build_index",
+           "check_tokenizer", "compact_index", "load_documents"]

@@ -1,4 +1,4 @@
-"""`rasd index build|add|compact|info|search`: the retrieval index from the command line.
+"""`rasd index build|add|compact|info|search|repair`: the retrieval index from the command line.
 
 Index problems a person can fix (missing folder, binary file, mismatched tokenizer, corrupt manifest) are
 raised as IndexStoreError and turned into the CLI's one-line `rasd: error: ...` with exit status 2.
@@ -38,6 +38,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="also check every file's sha256")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_info)
+    p = sub.add_parser("repair", help="commit a manifest rebuilt from the intact segments (corrupt manifest, "
+                       "damaged segment); reports which segments were kept and skipped")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--model", default="default",
+                   help="the index's model, used only when no manifest is readable (default: default)")
+    p.add_argument("--embedder", default="default",
+                   help="the index's embedder, used only when no manifest is readable (default: default)")
+    _add_quiet(p)
+    p.set_defaults(func=run_repair)
     p = sub.add_parser("search", help="the chunks closest to a query")
     p.add_argument("dir", type=Path)
     p.add_argument("query")
@@ -132,6 +141,16 @@ def run_compact(args: argparse.Namespace) -> int:
         from rasd.index.writer import compact_index
 
         print(_summary(compact_index(a.dir, faiss=a.faiss)))
+        return 0
+    return _guard(go, args)
+
+
+def run_repair(args: argparse.Namespace) -> int:
+    def go(a: argparse.Namespace) -> int:
+        from rasd.index.repair import repair_index
+
+        for line in repair_index(a.dir, model=a.model, embedder=a.embedder).lines():
+            print(line)
         return 0
     return _guard(go, args)
 

@@ -21,3 +21,8 @@ class IndexOpenError(IndexStoreError):
 
 class TokenizerMismatchError(IndexStoreError):
     """The index's token datastore was made with another tokenizer than the one asked for."""
+
+
+class CommitConflict(IndexStoreError):
+    """Another writer committed the index generation this writer meant to commit (their locks did not exclude
+    each other, e.g. on a network filesystem): nothing of this write was committed; it can simply be retried."""

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rasd.fsio import crash_point, fsync_dir, fsync_file, sha256_file
+from rasd.fsio import crash_point, fsync_dir, fsync_file, sampled_sha256, sha256_file
 from rasd.index.chunking import Chunk, TokenizedDocument, chunk_document
 from rasd.index.documents import Document
 from rasd.index.suffix_array import build_suffix_array, join_documents
@@ -35,6 +35,7 @@ from rasd.index.vectors import build_vector_index, write_vector_index
 
 SEGMENT_FILES = ("documents.parquet", "chunks.parquet", "embeddings.npy", "vectors.faiss", "tokens.npy",
                  "doc_offsets.npy", "sa.npy")
+FULL_CHECK_BYTES = 64 << 20   # files up to this size are checksummed in full at open; larger ones sampled
 SEGMENT_PREFIX = "seg-"
 TMP_PREFIX = ".tmp-"
 
@@ -153,6 +154,15 @@ def _write_files(folder: Path, data: SegmentData, faiss_kind: str) -> str:
     return kind
 
 
+def file_record(path: Path) -> dict[str, Any]:
+    """What the manifest records of a segment file: its size, sha256, and for a large file a sampled digest."""
+    size = path.stat().st_size
+    record: dict[str, Any] = {"bytes": size, "sha256": sha256_file(path)}
+    if size > FULL_CHECK_BYTES:
+        record["sampled_sha256"] = sampled_sha256(path, size)
+    return record
+
+
 def write_segment(root: Path, name: str, data: SegmentData, faiss_kind: str) -> dict[str, Any]:
     """Write a segment atomically (temporary dir, fsync, rename) and return its manifest entry.
 
@@ -161,11 +171,12 @@ def write_segment(root: Path, name: str, data: SegmentData, faiss_kind: str) -> 
     """
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}-", dir=root))
     try:
+        fsync_dir(root)                  # the new directory's entry, before anything is written into it
         kind = _write_files(tmp, data, faiss_kind)
         files = {}
         for fname in SEGMENT_FILES:
             fsync_file(tmp / fname)
-            files[fname] = {"bytes": (tmp / fname).stat().st_size, "sha256": sha256_file(tmp / fname)}
+            files[fname] = file_record(tmp / fname)
         tmp.chmod(0o755)
         fsync_dir(tmp)
         os.rename(tmp, root / name)

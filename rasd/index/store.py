@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from rasd.index.documents import Document
 from rasd.index.errors import IndexOpenError, TokenizerMismatchError
-from rasd.index.manifest import check_segment_files, read_manifest
+from rasd.index.manifest import Stamp, check_segment_files, read_manifest, read_manifest_stamped
 from rasd.index.segment import CHUNK_SCHEMA, DOC_SCHEMA
 from rasd.index.suffix_array import SuffixArray
 from rasd.index.vectors import read_vector_index, search_vectors
@@ -55,18 +55,21 @@ class Segment:
         self.num_documents = int(entry["num_documents"])
         self.num_chunks = int(entry["num_chunks"])
         self._use_gpu = use_gpu
-        self.documents = pq.read_table(folder / "documents.parquet", schema=DOC_SCHEMA, memory_map=True)
-        self.chunks = pq.read_table(folder / "chunks.parquet", schema=CHUNK_SCHEMA, memory_map=True)
-        self.datastore = SuffixArray.load(folder / "tokens.npy", folder / "sa.npy", mmap=True)
-        self.doc_offsets = np.load(folder / "doc_offsets.npy", mmap_mode="r", allow_pickle=False)
+        self.documents = _readable(folder / "documents.parquet",
+                                   lambda p: pq.read_table(p, schema=DOC_SCHEMA, memory_map=True))
+        self.chunks = _readable(folder / "chunks.parquet",
+                                lambda p: pq.read_table(p, schema=CHUNK_SCHEMA, memory_map=True))
+        tokens, sa = _readable(folder / "tokens.npy", _load_npy), _readable(folder / "sa.npy", _load_npy)
+        self.doc_offsets = _readable(folder / "doc_offsets.npy", _load_npy)
         if self.documents.num_rows != self.num_documents or self.chunks.num_rows != self.num_chunks or \
-                len(self.doc_offsets) != self.num_documents + 1:
+                len(self.doc_offsets) != self.num_documents + 1 or len(sa) != len(tokens):
             raise IndexOpenError(f"{folder}: segment contents do not match the manifest's counts")
+        self.datastore = SuffixArray(tokens, sa)
 
     @cached_property
     def vectors(self) -> Any:
         """The FAISS index (GPU when FAISS has one); loaded on the first search."""
-        return read_vector_index(self.folder / "vectors.faiss", self._use_gpu)
+        return _readable(self.folder / "vectors.faiss", lambda p: read_vector_index(p, self._use_gpu))
 
     def search(self, query_vectors: np.ndarray, k: int) -> list[list[tuple[float, int]]]:
         """Per query: (score, chunk row in this segment), best first."""
@@ -92,6 +95,23 @@ class Segment:
         row = doc_id - self.doc_id_start
         rec = self.documents.slice(row, 1).to_pylist()[0]
         return Document(text=rec["text"], source=rec["source"], title=rec["title"], external_id=rec["external_id"])
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def _readable(path: Path, load: Any) -> Any:
+    """`load(path)`, with any failure to parse the file as IndexOpenError naming it (one line), so a damaged
+    file never reaches a person, or a replica's log, as a raw Arrow, NumPy or FAISS error."""
+    try:
+        return load(path)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - parsers raise many types; one line for the person
+        detail = " ".join(str(exc).split())[:160] or type(exc).__name__
+        raise IndexOpenError(f"{path}: unreadable ({detail}); `rasd index repair {path.parent.parent}` "
+                             "rebuilds the index without its segment") from exc
 
 
 class IndexReader:
@@ -143,8 +163,9 @@ class IndexReader:
 class Index(IndexReader):
     """A committed index, opened at the state its manifest.json described when it was read."""
 
-    def __init__(self, root: Path, manifest: dict[str, Any], segments: list[Segment]):
+    def __init__(self, root: Path, manifest: dict[str, Any], segments: list[Segment], stamp: Stamp | None = None):
         self.root, self.manifest, self.segments = root, manifest, segments
+        self.stamp = stamp        # of the manifest read: a commit after that read shows as a change
         self._doc_starts = [s.doc_id_start for s in segments]
 
     @classmethod
@@ -159,13 +180,13 @@ class Index(IndexReader):
         """
         root = Path(path)
         for attempt in range(_OPEN_ATTEMPTS):
-            manifest = read_manifest(root)
+            manifest, stamp = read_manifest_stamped(root)
             try:
                 entries = _select_segments(manifest, segments, root)
                 for entry in entries:
                     check_segment_files(root, entry, verify)
                 segs = [Segment(root / e["name"], e, use_gpu) for e in entries]
-                return cls(root, manifest, segs)
+                return cls(root, manifest, segs, stamp)
             except (IndexOpenError, FileNotFoundError):
                 if attempt + 1 == _OPEN_ATTEMPTS or read_manifest(root) == manifest:
                     raise

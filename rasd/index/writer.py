@@ -2,13 +2,23 @@
 
 Every writer takes the index's lock, removes what an earlier crashed writer left (temporary dirs, segment
 dirs the manifest does not list, temporary manifests), writes its new segment completely, and only then
-renames a new manifest.json into place. Old segment directories are removed after that commit, so a crash
-anywhere leaves the last committed index readable, and at worst some garbage for the next writer.
+commits a new manifest (`rasd.index.manifest`: a compare-and-swap on the generation). Old segment
+directories are removed after that commit, so a crash anywhere leaves the last committed index readable, and
+at worst some garbage for the next writer.
+
+Why leftovers are told apart by number: where the lock does not exclude another node's writer, a segment
+dir the manifest does not list may be another writer's, renamed and about to be committed. A segment is
+named after the `next_segment` counter of the manifest its writer started from, and a writer can commit only
+the generation after that manifest's; so an unlisted segment whose counter is below the current manifest's
+`next_segment` comes from an older generation, can never be committed, and is safe to remove. Anything else
+is left for a later writer. A writer that loses the compare-and-swap (`CommitConflict`) writes its segment
+again on top of the new state (COMMIT_ATTEMPTS in all).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import shutil
 import time
@@ -19,12 +29,21 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from rasd.fsio import LOCK_NAME, crash_point, fsync_dir, writer_lock
+from rasd.fsio import LOCK_NAME, crash_point, fsync_dir, mkdir_durable, writer_lock
 from rasd.index.chunking import load_tokenizer, tokenize_documents, tokenizer_fingerprint
 from rasd.index.documents import Document, load_documents
 from rasd.index.embed import embed_texts, embedding_dim, load_embedder
-from rasd.index.errors import IndexInputError, TokenizerMismatchError
-from rasd.index.manifest import MANIFEST_NAME, commit_manifest, new_manifest, read_manifest
+from rasd.index.errors import CommitConflict, IndexInputError, TokenizerMismatchError
+from rasd.index.manifest import (
+    KEEP_GENERATIONS,
+    MANIFEST_NAME,
+    check_segment_files,
+    commit_manifest,
+    generation,
+    has_manifest,
+    new_manifest,
+    read_manifest,
+)
 from rasd.index.segment import (
     SEGMENT_PREFIX,
     TMP_PREFIX,
@@ -48,17 +67,39 @@ Sources = Sequence[str | Path | Document] | str | Path | Document
 # --------------------------------------------------------------------------------------------- helpers
 
 
+COMMIT_ATTEMPTS = 5
+_COUNTER_RE = re.compile(r"^(?:\.tmp-)?seg-(\d+)-")
+_NUMBERED_RE = re.compile(r"^manifest-(\d+)\.json(\.tmp-.*)?$")
+_COPY_TMP_RE = re.compile(r"^manifest\.json\.tmp-(?:g(\d+)-)?")
+
+
 def _is_ours(name: str) -> bool:
     """Directory entries a writer owns (everything else in DIR is left alone)."""
-    return name.startswith((SEGMENT_PREFIX, TMP_PREFIX)) or name.startswith(f"{MANIFEST_NAME}.tmp")
+    return name.startswith((SEGMENT_PREFIX, TMP_PREFIX, f"{MANIFEST_NAME}.tmp")) or bool(_NUMBERED_RE.match(name))
+
+
+def _is_dead(name: str, manifest: dict[str, Any]) -> bool:
+    """Whether an unlisted entry of ours can never become part of a committed index (see the module doc)."""
+    gen = generation(manifest)
+    if m := _COUNTER_RE.match(name):
+        return int(m.group(1)) < int(manifest["next_segment"])
+    if m := _NUMBERED_RE.match(name):
+        if m.group(2):                               # a claim's temporary: dead once its generation is taken
+            return int(m.group(1)) <= gen
+        return int(m.group(1)) <= gen - KEEP_GENERATIONS
+    if m := _COPY_TMP_RE.match(name):               # manifest.json's temporary copy (untagged: older rasd)
+        return m.group(1) is None or int(m.group(1)) < gen
+    return True
 
 
 def cleanup_leftovers(root: Path, manifest: dict[str, Any] | None) -> list[str]:
-    """Remove temporary files/dirs and unlisted segment dirs (call only while holding the writer lock)."""
-    listed = {s["name"] for s in manifest["segments"]} if manifest else set()
+    """Remove temporary files/dirs, unlisted segment dirs and old numbered manifests that no writer can still
+    commit (`manifest`: a committed one; safe whether or not the writer lock excludes other writers)."""
+    current = manifest or {"segments": [], "next_segment": 1, "generation": 0}
+    listed = {s["name"] for s in current["segments"]}
     removed = []
     for entry in sorted(root.iterdir()):
-        if entry.name in listed or not _is_ours(entry.name):
+        if entry.name in listed or not _is_ours(entry.name) or not _is_dead(entry.name, current):
             continue
         if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
@@ -130,7 +171,7 @@ def _check_out_dir(root: Path, overwrite: bool) -> dict[str, Any] | None:
         raise IndexInputError(f"{root}: exists and is not a directory")
     if not root.exists():
         return None
-    if (root / MANIFEST_NAME).exists():
+    if has_manifest(root):
         if not overwrite:
             raise IndexInputError(f"{root}: already holds an index; use `rasd index add` to append documents, "
                                   "or --overwrite to replace it")
@@ -168,17 +209,17 @@ def build_index(paths: Sources, out: str | Path, model: str = "default", embedde
                              "vocab_size": len(tokenizer)}, {"name": embedder, "dim": embedding_dim(emb)},
                             chunk_tokens, overlap, faiss)
     data = _segment_data(docs, tokenizer, emb, 0, 0, manifest["chunking"], progress)
-    root.mkdir(parents=True, exist_ok=True)
+    mkdir_durable(root)
     with writer_lock(root):
         old = _check_out_dir(root, overwrite)    # again under the lock: another writer may have been first
         if old is not None:
-            manifest["next_segment"] = old["next_segment"]
+            manifest["next_segment"], manifest["generation"] = old["next_segment"], generation(old)
             manifest["created"] = old.get("created", manifest["created"])
         cleanup_leftovers(root, old)
         manifest["segments"] = [write_segment(root, _next_segment_name(manifest), data, faiss)]
-        commit_manifest(root, manifest)
+        committed = commit_manifest(root, manifest)   # a conflict: another build or add came first; say so
         crash_point("committed")
-        cleanup_leftovers(root, manifest)
+        cleanup_leftovers(root, committed)
     return Index.open(root)
 
 
@@ -227,27 +268,43 @@ def add_documents(path: str | Path, paths: Sources, model: str | None = None, em
     emb = _resolve_embedder(manifest, embedder)
     data_chunking, data_tokenizer = manifest["chunking"], manifest["tokenizer"]
     data = _segment_data(docs, tokenizer, emb, 0, 0, manifest["chunking"], progress, run_torch)
-    with writer_lock(root, lock_timeout_s):
-        manifest = read_manifest(root)           # the committed state under the lock
-        if manifest["chunking"] != data_chunking or manifest["tokenizer"] != data_tokenizer:
-            raise IndexInputError(f"{root}: the index was rebuilt while documents were being added; add again")
-        if idempotency is not None and idempotency["key"] in manifest.get("idempotency", {}):
-            return Index.open(root)              # another attempt with this key committed first
-        cleanup_leftovers(root, manifest)
-        last = manifest["segments"][-1] if manifest["segments"] else None
-        doc_start = last["doc_id_start"] + last["num_documents"] if last else 0
-        chunk_start = last["chunk_id_start"] + last["num_chunks"] if last else 0
-        data = with_id_starts(data, doc_start, chunk_start)
-        entry = write_segment(root, _next_segment_name(manifest), data, manifest["faiss"])
-        manifest["segments"] = manifest["segments"] + [entry]
-        if idempotency is not None:
-            records = dict(manifest.get("idempotency", {}))
-            records[idempotency["key"]] = {"body": idempotency["body"], "nonce": idempotency["nonce"],
-                                           "added": len(docs), "segment": entry["name"]}
-            manifest["idempotency"] = dict(list(records.items())[-IDEMPOTENCY_KEEP:])
-        commit_manifest(root, manifest)
-        crash_point("committed")
-    return Index.open(root)
+    for attempt in range(COMMIT_ATTEMPTS):
+        try:
+            with writer_lock(root, lock_timeout_s):
+                if _commit_added(root, data, data_chunking, data_tokenizer, len(docs), idempotency):
+                    crash_point("committed")
+            return Index.open(root)
+        except CommitConflict:
+            if attempt + 1 == COMMIT_ATTEMPTS:
+                raise
+            log.info("%s: another writer committed first; writing the new segment again on top of it", root)
+    raise AssertionError("unreachable")
+
+
+def _commit_added(root: Path, data: SegmentData, data_chunking: dict[str, Any], data_tokenizer: dict[str, Any],
+                  num_docs: int, idempotency: dict[str, str] | None) -> bool:
+    """Write `data` as a new segment on top of the committed state and commit it (False: the idempotency key
+    was committed already, nothing written). CommitConflict when another writer committed meanwhile."""
+    manifest = read_manifest(root)           # the committed state under the lock
+    if manifest["chunking"] != data_chunking or manifest["tokenizer"] != data_tokenizer:
+        raise IndexInputError(f"{root}: the index was rebuilt while documents were being added; add again")
+    if idempotency is not None and idempotency["key"] in manifest.get("idempotency", {}):
+        return False                         # another attempt with this key committed first
+    cleanup_leftovers(root, manifest)
+    last = manifest["segments"][-1] if manifest["segments"] else None
+    doc_start = last["doc_id_start"] + last["num_documents"] if last else 0
+    chunk_start = last["chunk_id_start"] + last["num_chunks"] if last else 0
+    data = with_id_starts(data, doc_start, chunk_start)
+    entry = write_segment(root, _next_segment_name(manifest), data, manifest["faiss"])
+    manifest["segments"] = manifest["segments"] + [entry]
+    if idempotency is not None:
+        records = dict(manifest.get("idempotency", {}))
+        records[idempotency["key"]] = {"body": idempotency["body"], "nonce": idempotency["nonce"],
+                                       "added": num_docs, "segment": entry["name"]}
+        manifest["idempotency"] = dict(list(records.items())[-IDEMPOTENCY_KEEP:])
+    committed = commit_manifest(root, manifest)
+    cleanup_leftovers(root, committed)
+    return True
 
 
 def compact_index(path: str | Path, faiss: str | None = None) -> Index:
@@ -258,20 +315,32 @@ def compact_index(path: str | Path, faiss: str | None = None) -> Index:
     corrupted file is never merged into the new segment.
     """
     root = Path(path)
-    with writer_lock(root):
-        manifest = read_manifest(root)
-        cleanup_leftovers(root, manifest)
-        kind = faiss or manifest["faiss"]
-        if kind not in FAISS_KINDS:
-            raise IndexInputError(f"unknown FAISS index kind {kind!r}; choose one of {', '.join(FAISS_KINDS)}")
-        if len(manifest["segments"]) <= 1 and kind == manifest["faiss"]:
-            log.info("%s: already one segment; nothing to compact", root)
+    for attempt in range(COMMIT_ATTEMPTS):
+        try:
+            with writer_lock(root):
+                _compact_once(root, faiss)
             return Index.open(root)
-        Index.open(root, verify=True)            # sizes and checksums of everything about to be merged
-        parts = [read_segment_data(root / e["name"], e) for e in manifest["segments"]]
-        entry = write_segment(root, _next_segment_name(manifest), concat_segment_data(parts), kind)
-        manifest["segments"], manifest["faiss"] = [entry], kind
-        commit_manifest(root, manifest)
-        crash_point("committed")
-        cleanup_leftovers(root, manifest)
-    return Index.open(root)
+        except CommitConflict:
+            if attempt + 1 == COMMIT_ATTEMPTS:
+                raise
+            log.info("%s: another writer committed first; compacting its new state", root)
+    raise AssertionError("unreachable")
+
+
+def _compact_once(root: Path, faiss: str | None) -> None:
+    manifest = read_manifest(root)
+    cleanup_leftovers(root, manifest)
+    kind = faiss or manifest["faiss"]
+    if kind not in FAISS_KINDS:
+        raise IndexInputError(f"unknown FAISS index kind {kind!r}; choose one of {', '.join(FAISS_KINDS)}")
+    if len(manifest["segments"]) <= 1 and kind == manifest["faiss"]:
+        log.info("%s: already one segment; nothing to compact", root)
+        return
+    for entry in manifest["segments"]:       # sizes and checksums of everything about to be merged
+        check_segment_files(root, entry, verify=True)
+    parts = [read_segment_data(root / e["name"], e) for e in manifest["segments"]]
+    entry = write_segment(root, _next_segment_name(manifest), concat_segment_data(parts), kind)
+    manifest["segments"], manifest["faiss"] = [entry], kind
+    committed = commit_manifest(root, manifest)
+    crash_point("committed")
+    cleanup_leftovers(root, committed)

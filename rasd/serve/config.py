@@ -97,6 +97,13 @@ class ServeConfig:
                                           "(placement, clean 503 on its death)", flag=True)
     verifier_options: dict[str, Any] = setting(description="Ray options of the verifier actor (num_gpus, "
                                                            "resources)", factory=dict)
+    verifier_timeout_s: float = setting(10.0, "the verifier actor is pinged every second; one that answers no ping "
+                                              "for this long while Ray says it is alive (stopped, deadlocked) is "
+                                              "hung: /healthz 503, its requests and new ones 503 until it answers "
+                                              "again", minimum=0.1)
+    verifier_step_timeout_s: float = setting(300.0, "the longest a request waits for its next block from a verifier "
+                                                    "that answers pings (a queued request or the prefill of a full "
+                                                    "context on a CPU included), then 503", minimum=0.1)
     api_key: str | None = setting(None, f"require `Authorization: Bearer KEY` (or set {API_KEY_ENV})", flag=True)
     allowed_hosts: list[str] = setting(description="without a key, the Host names answered besides 127.0.0.1, "
                                                    "localhost and ::1 (`*`: any); other names get 421, against "

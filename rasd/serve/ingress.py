@@ -170,7 +170,7 @@ class RasdIngress:
                 "index": first.get("index"), "torch_threads": first.get("torch_threads"), "omp": first.get("omp"),
                 "verifier": first.get("verifier"), "dtype": first.get("dtype"),
                 "dtype_reason": first.get("dtype_reason"), "replicas": [
-                    {k: s[k] for k in ("replica", "running", "waiting", "problem")} for s in healthy]}
+                    {k: s[k] for k in ("replica", "running", "waiting", "problem", "verifier")} for s in healthy]}
         return body if problem is None else JSONResponse(body, status_code=503)
 
     @api.get("/v1/models")

@@ -166,11 +166,14 @@ class RasdServer:
 
     def check_health(self) -> None:
         """Serve restarts the replica when the scheduler thread has died or is stuck."""
-        problem = self.service.health_problem()
+        problem = self.service.broken()
         if problem is not None:
             raise RuntimeError(problem)
 
     # ------------------------------------------------------------------ state (broadcast by the ingress)
+    # These run on the replica's event loop, beside every stream: none of them waits on an actor (a verifier's
+    # state is what its last ping brought, `distributed.verifier.VerifierWatch`), so a slow or stopped actor
+    # never stalls the streams, and /healthz answers at once.
     async def health(self) -> dict[str, Any]:
         service = self.service
         running, waiting = service.load()

@@ -56,7 +56,8 @@ def make_backend(config: ServeConfig, target: Any, compute: ComputeThread, index
     if config.verifier_actor:
         from rasd.distributed.verifier import RemoteBackend
 
-        return RemoteBackend(settings, config.verifier_options)
+        return RemoteBackend(settings, config.verifier_options, call_timeout_s=config.verifier_timeout_s,
+                             step_timeout_s=config.verifier_step_timeout_s)
     return LocalBackend(settings, target, compute, indexes)
 
 
@@ -112,7 +113,13 @@ class Service:
         return not self.health_problem()
 
     def health_problem(self) -> str | None:
-        """Why the service is unhealthy, or None."""
+        """Why the service cannot answer now (what /healthz reports), or None."""
+        return self.broken() or self.backend.unavailable()
+
+    def broken(self) -> str | None:
+        """Why this replica is stuck so that restarting it helps (Serve's health check), or None. A verifier
+        actor that hangs is not that: a restart would reload the model and lose every request, and the verifier
+        serves again once it answers; meanwhile its requests get 503 (`RemoteBackend`)."""
         if not self.compute.is_alive():
             return "the compute thread is not running"
         return self.backend.health_problem()

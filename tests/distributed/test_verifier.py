@@ -174,3 +174,71 @@ def test_a_dead_verifier_is_restarted_and_greedy_requests_survive_it(
         assert run(service, greedy) == reference
     finally:
         service.close()
+
+
+class Replaying:
+    """A `RemoteBackend` whose attempts are scripted: each a list of token blocks, then a death or the end."""
+
+    @staticmethod
+    def backend(attempts: list[tuple[list[Any], bool]]) -> Any:
+        from ray.exceptions import RayActorError
+
+        from rasd.distributed.backend import DecodingSettings
+        from rasd.distributed.verifier import RemoteBackend
+
+        class Scripted(RemoteBackend):
+            async def _stream(self, prepared: Any, sourced: bool) -> Any:
+                blocks, dies = attempts.pop(0)
+                for block in blocks:
+                    yield "tokens", block
+                if dies:
+                    raise RayActorError()
+                yield "done", "output"
+
+        return Scripted(DecodingSettings(), {})
+
+    @staticmethod
+    def run(backend: Any) -> tuple[list[Any], str]:
+        """The blocks the caller received, and how the stream ended ("done" or the ApiError's status)."""
+        from rasd.distributed.backend import Prepared
+        from rasd.serve.openai import ApiError
+        from rasd.serve.service import SamplingParams
+
+        got: list[Any] = []
+
+        async def consume() -> str:
+            try:
+                async for kind, payload in backend.events(Prepared([1, 2], "ar", 8, SamplingParams(), [])):
+                    if kind == "done":
+                        return "done"
+                    got.append(payload)
+            except ApiError as exc:
+                return f"{exc.status}: {exc.message}"
+            return "ended without done"
+
+        return got, asyncio.run(consume())
+
+
+@pytest.mark.parametrize("blocked", [False, True], ids=["ids", "TokenBlock"])
+def test_a_replay_that_agrees_is_joined_and_one_that_differs_is_a_503_never_a_splice(blocked: bool) -> None:
+    """After a verifier death the request is decoded again; the tokens the caller already has are compared,
+    not just counted: a second attempt that differs before them (a near-tie broken the other way) would join two
+    answers, so it ends the request with 503 after the sent part, never with the new attempt's continuation."""
+    pytest.importorskip("ray")
+    from rasd.distributed.backend import TokenBlock
+
+    def b(*tokens: int) -> Any:
+        return TokenBlock(list(tokens), ["bonus"] * len(tokens), None) if blocked else list(tokens)
+
+    def ids(blocks: list[Any]) -> list[list[int]]:
+        return [list(x.tokens) if blocked else x for x in blocks]
+
+    agreeing = Replaying.backend([([b(1, 2), b(3)], True), ([b(1, 2, 3, 4), b(5)], False)])
+    got, end = Replaying.run(agreeing)
+    assert end == "done" and ids(got) == [[1, 2], [3], [4], [5]]
+    assert agreeing.requests_resent == 1
+    for second in ([b(1, 9, 3, 4), b(5)], [b(1), b(2, 7), b(8)]):
+        differing = Replaying.backend([([b(1, 2), b(3)], True), (second, False)])
+        got, end = Replaying.run(differing)
+        assert end.startswith("503: the verifier restarted and decoded this request differently"), end
+        assert ids(got) == [[1, 2], [3]], "nothing of the second attempt may follow the first's tokens"

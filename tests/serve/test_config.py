@@ -38,6 +38,8 @@ def serve_actions() -> dict[str, argparse.Action]:
     ({"max_waiting": -1}, "max_waiting"),
     ({"threads": 0}, "threads"),
     ({"draft_timeout_s": -1.0}, "draft_timeout_s"),
+    ({"verifier_timeout_s": 0}, "verifier_timeout_s"),
+    ({"verifier_step_timeout_s": "300"}, "verifier_step_timeout_s"),
     ({"max_batch": "8"}, "max_batch"),
     ({"replicas": True}, "replicas"),
     ({"graphs": "yes"}, "graphs"),
