@@ -171,10 +171,11 @@ class Running:
         found = args.address or running_local_ray()
         if found:
             self.joined = found
-            single = found == "auto" or found.rpartition(":")[0].strip("[]") in LOOPBACK_HOSTS
-            if single and not args.address:
+            single = found.rpartition(":")[0].strip("[]") in LOOPBACK_HOSTS
+            if single:
                 single_machine_ray()          # this driver's node address is 127.0.0.1, as the head's
-            return (args.address or "auto"), single and not args.address
+            # one found here is joined as `auto`, which turns Ray's token auth on as that Ray's `ray start` did
+            return (args.address or "auto"), single
         single = args.ray_host in LOOPBACK_HOSTS
         enable_default_token_auth()           # before the head's environment is made: both use the same mode
         env = {**ray_env(args.ray_host, args.host, args.port), **OWN_HEAD_ENV}
