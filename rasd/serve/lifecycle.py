@@ -215,9 +215,9 @@ def stop_recorded(grace_s: float = DEFAULT_GRACE_S) -> int:
 
 def stop_one(record: ServiceRecord, grace_s: float) -> str:
     """Stop one recorded service; one line saying what was stopped."""
-    if record.mode == "foreground":
+    if record.mode == "foreground" and is_running(record.pid) and _is_rasd(record.pid):
         return stop_foreground(record, grace_s)
-    where = f"rasd at {record.url}"
+    where = f"rasd at {record.url}"               # detached, or a foreground one killed without its clean-up
     head = record.head() if record.ray_owned else None
     if head is not None and not head.alive():
         left = session_pids(head.pid)
@@ -253,9 +253,6 @@ def connect(record: ServiceRecord) -> bool:
 def stop_foreground(record: ServiceRecord, grace_s: float) -> str:
     """A foreground service stops itself on SIGTERM (drain, Serve, its Ray): send it and wait for it to exit."""
     where = f"rasd at {record.url} (pid {record.pid})"
-    if not is_running(record.pid) or not _is_rasd(record.pid):
-        record.remove()
-        return f"{where}: not running any more (record removed)"
     os.kill(record.pid, signal.SIGTERM)
     wait_s = grace_s + SERVE_SHUTDOWN_S + EXTRA_DRAIN_S
     deadline = time.monotonic() + wait_s
