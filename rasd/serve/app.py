@@ -168,14 +168,16 @@ class Running:
     def _ray(self, args: Any) -> tuple[str, bool]:
         """The Ray to deploy on, and whether it is single-machine: `--address`, else one already running here
         (both joined), else a head started now in its own session (owned)."""
-        found = args.address or running_local_ray()
-        if found:
-            self.joined = found
-            single = found.rpartition(":")[0].strip("[]") in LOOPBACK_HOSTS
+        given = None if args.address in (None, "auto") else args.address
+        found = given or running_local_ray()
+        if found or args.address == "auto":
+            self.joined = found or "auto"
+            # a Ray on loopback runs in single-machine mode (as the one rasd starts): so must this driver
+            single = self.joined.rpartition(":")[0].strip("[]") in LOOPBACK_HOSTS
             if single:
-                single_machine_ray()          # this driver's node address is 127.0.0.1, as the head's
-            # one found here is joined as `auto`, which turns Ray's token auth on as that Ray's `ray start` did
-            return (args.address or "auto"), single
+                single_machine_ray()
+            # one found here is joined as `auto`, which turns token auth on as that Ray's `ray start` did
+            return given or "auto", single
         single = args.ray_host in LOOPBACK_HOSTS
         enable_default_token_auth()           # before the head's environment is made: both use the same mode
         env = {**ray_env(args.ray_host, args.host, args.port), **OWN_HEAD_ENV}
