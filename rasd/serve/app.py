@@ -37,7 +37,14 @@ from rasd.serve.lifecycle import (
     stop_recorded,
 )
 from rasd.serve.loopback import loopback_env, single_machine_ray
-from rasd.serve.ray_head import RayHead, port_args, running_local_ray, session_pids, start_head
+from rasd.serve.ray_head import (
+    RayHead,
+    enable_default_token_auth,
+    port_args,
+    running_local_ray,
+    session_pids,
+    start_head,
+)
 from rasd.serve.replica import RasdServer
 
 # ---------------------------------------------------------------------------------------------- builder
@@ -203,19 +210,6 @@ class Running:
 
 
 OWN_HEAD_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}   # rasd drains first; Ray's own drain would wait
-
-
-def enable_default_token_auth() -> None:
-    """Ray's default for a head started by `ray start`, made explicit for this driver too: token auth when a
-    token exists (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH). Why: a driver given an explicit address never turns
-    it on by itself, and would be refused by the head."""
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:          # a Ray without token auth
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def session_dir() -> str:

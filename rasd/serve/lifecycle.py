@@ -23,7 +23,14 @@ from typing import Any
 
 from rasd.fsio import write_json_atomic
 from rasd.paths import rasd_home
-from rasd.serve.ray_head import RayHead, is_running, reachable, session_pids, stop_session
+from rasd.serve.ray_head import (
+    RayHead,
+    enable_default_token_auth,
+    is_running,
+    reachable,
+    session_pids,
+    stop_session,
+)
 
 APP_NAME = "rasd"
 DEFAULT_GRACE_S = 30.0
@@ -242,8 +249,8 @@ def connect(record: ServiceRecord) -> bool:
 
     from rasd.serve.loopback import single_machine_ray
 
-    if record.ray_auth_mode and "RAY_AUTH_MODE" not in os.environ:
-        os.environ["RAY_AUTH_MODE"] = record.ray_auth_mode
+    if record.ray_auth_mode == "token":
+        enable_default_token_auth()
     if record.single_machine:
         single_machine_ray()
     ok, _ = bounded(lambda: ray.init(address=record.ray_address, log_to_driver=False, logging_level="ERROR"), 60.0)

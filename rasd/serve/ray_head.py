@@ -83,21 +83,24 @@ def start_head(args: list[str], env: dict[str, str], log: Path, timeout_s: float
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     head = RayHead(pid=process.pid, address="", log=str(log), process=process)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = log.read_text(errors="replace")
-        if HEAD_READY in text:
-            head.address = gcs_address(args, text)
-            return head
-        if process.poll() is not None:
-            break
-        time.sleep(0.2)
+    try:
+        while time.monotonic() < deadline:
+            if HEAD_READY in log.read_text(errors="replace"):
+                head.address = gcs_address(args)
+                return head
+            if process.poll() is not None:
+                break
+            time.sleep(0.2)
+    except BaseException:              # a signal while it starts: no half-started Ray left behind
+        stop_session(head, force=True)
+        raise
     stop_session(head)
     tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
     raise CliError(f"could not start a local Ray ({'it exited' if process.poll() is not None else 'timed out'}): "
                    f"{tail[0].strip() if tail else 'no output'} (log: {log})")
 
 
-def gcs_address(args: list[str], log_text: str) -> str:
+def gcs_address(args: list[str]) -> str:
     """The GCS address of a head started with `args`: its `--node-ip-address` and `--port` (Ray's 6379 when
     not given)."""
     options = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
@@ -124,6 +127,20 @@ def reachable(address: str, timeout_s: float = 2.0) -> bool:
             return True
     except (OSError, ValueError):
         return False
+
+
+def enable_default_token_auth() -> None:
+    """Token auth for this driver when a token exists (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH), as `ray start`
+    decides for a head, unless RAY_AUTH_MODE says otherwise. Why: a driver given an explicit address never turns
+    it on by itself and is refused by such a head; and setting RAY_AUTH_MODE after Ray is imported is not
+    enough (Ray's config is read then), which Ray's own function takes care of."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:          # a Ray without token auth
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 # ---------------------------------------------------------------------------------------------- processes
