@@ -158,25 +158,25 @@ def test_serve_config_checks_its_limits() -> None:
 
 
 def test_stop_waits_for_serve_only_as_long_as_its_bound() -> None:
-    """`rasd serve --stop` gives Serve's drain a bound (a replica in a long ingest kept it waiting minutes):
-    a call that returns in time is True, one that hangs is False after the bound, one that raises is True
-    (it is over; the error is printed)."""
+    """Stopping gives Serve's shutdown and the drain a bound (a replica in a long ingest kept `--stop` waiting
+    minutes): a call that returns in time gives its result, one that hangs is given up after the bound, one that
+    raises is over (its error printed)."""
     import threading
     import time
 
-    from rasd.serve.app import within
+    from rasd.serve.lifecycle import bounded
 
     release = threading.Event()
     start = time.perf_counter()
-    assert within(lambda: None, 5.0)
-    assert not within(lambda: release.wait(30), 0.3)
+    assert bounded(lambda: 7, 5.0) == (True, 7)
+    assert bounded(lambda: release.wait(30), 0.3) == (False, None)
     assert time.perf_counter() - start < 5.0
     release.set()
 
     def fails() -> None:
         raise RuntimeError("controller gone")
 
-    assert within(fails, 5.0)
+    assert bounded(fails, 5.0) == (False, None)
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -10,7 +10,10 @@ the model and opens the index once per actor; `--concurrency` actors run side by
 The output is a folder of Parquet parts written by the driver as results stream in. Each part is written to a
 hidden temporary file, fsynced and renamed into place, so a crash never leaves a half-written part that a
 later run counts as done (Parquet readers and this module skip names starting with `.` or `_`). Rerunning with
-the same `--output` skips every question whose id is already in a part: that is how a job resumes.
+the same `--output` skips every question whose id is already in a part: that is how a job resumes. SIGTERM or
+SIGINT (`ray job stop`, a supervisor, Ctrl+C) stops the job the same clean way: a part being written is
+finished and committed, the batch still being answered is dropped (a rerun answers it), and the job exits
+128 + the signal's number saying how far it got.
 `_batch.json` records the options that change answers (model, index, method, max tokens, top-k); a rerun with
 different ones is refused rather than mixing two kinds of answer in one output.
 """
@@ -18,12 +21,15 @@ different ones is refused rather than mixing two kinds of answer in one output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +64,59 @@ SCHEMA = pa.schema([
 
 class BatchError(Exception):
     """A user-facing error (missing input, missing column, empty input, option mismatch): one line, exit 2."""
+
+
+class BatchInterrupted(Exception):
+    """Stopped by a signal: `answered` rows in `parts` parts are committed; a rerun resumes after them."""
+
+    def __init__(self, signum: int, answered: int = 0, parts: int = 0):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.answered, self.parts = signum, answered, parts
+
+
+class _Signalled(BaseException):
+    """Raised by `StopOnSignal`'s handler where the main thread is (BaseException: no `except Exception` eats it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StopOnSignal:
+    """SIGTERM/SIGINT while parts are written: outside a part's write the job stops at once (the batch being
+    answered is dropped); during one, the write completes and commits first. A second signal stops at once
+    even mid-write (`write_part` then removes its temporary: never a half-written part)."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.writing = False
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._before[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        again = bool(self.signum)
+        self.signum = signum
+        if again or not self.writing:
+            raise _Signalled(signum)
+
+    @contextlib.contextmanager
+    def part(self) -> Iterator[None]:
+        """Around one part's write: a signal that arrives meanwhile takes effect once it is committed."""
+        self.writing = True
+        try:
+            yield
+        finally:
+            self.writing = False
+        if self.signum:
+            raise _Signalled(self.signum)
 
 
 @dataclass
@@ -342,20 +401,32 @@ def _run_ray(todo: pa.Table, output: Path, actor: dict[str, Any], concurrency: i
             resources=resources or None,
             compute=ray.data.ActorPoolStrategy(size=concurrency),
             fn_constructor_kwargs={**actor, "threads": threads, "device": "cuda" if num_gpus else "cpu"})
-        answered = parts = 0
         with tqdm(total=todo.num_rows, unit="q", desc="rasd batch", disable=not progress,
                   file=sys.stderr) as bar:
-            for table in answers.iter_batches(batch_size=None, batch_format="pyarrow"):
-                if table.num_rows == 0:
-                    continue
-                write_part(output, table)
-                answered += table.num_rows
-                parts += 1
-                bar.update(table.num_rows)
-        return answered, parts
+            return write_parts(answers.iter_batches(batch_size=None, batch_format="pyarrow"), output, bar.update)
     finally:
         if started:
             ray.shutdown()
+
+
+def write_parts(tables: Iterable[pa.Table], output: Path, progress: Any = None) -> tuple[int, int]:
+    """Commit each table as a part; (rows, parts). SIGTERM/SIGINT stops cleanly (`StopOnSignal`) and raises
+    `BatchInterrupted` with what was committed. Installed here, after `ray.init`, which sets its own handler."""
+    answered = parts = 0
+    with StopOnSignal() as stop:
+        try:
+            for table in tables:
+                if table.num_rows == 0:
+                    continue
+                with stop.part():
+                    write_part(output, table)
+                    answered += table.num_rows
+                    parts += 1
+                if progress is not None:
+                    progress(table.num_rows)
+        except _Signalled as signalled:
+            raise BatchInterrupted(signalled.signum, answered, parts) from None
+    return answered, parts
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -406,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
     except BatchError as exc:
         print(f"rasd batch: error: {exc}", file=sys.stderr)
         return 2
+    except BatchInterrupted as stop:
+        print(f"rasd batch: stopped by {stop}: {stop.answered} answered in {stop.parts} new parts, all committed; "
+              f"rerun the same command to resume", file=sys.stderr)
+        return 128 + stop.signum
     except KeyboardInterrupt:
         return 130
     print(f"rasd batch: answered {result.answered}, skipped {result.skipped} already done, "

@@ -6,28 +6,46 @@ The app is two deployments: the HTTP ingress (`serve.ingress.RasdIngress`, no mo
 (`serve.replica.RasdServer`, `num_replicas` of them), joined by a deployment handle whose request router is
 prefix-aware (`serve.router.PrefixAffinityRouter`).
 
-`rasd serve` starts (or joins, with `--address`) Ray, deploys the app, prints the URL and stays in the
-foreground until interrupted; `--detach` leaves it running on a local Ray cluster and returns (`rasd serve
---stop` shuts it down), which is what `make run` / `make stop` use.
+`rasd serve` starts Ray in a session of its own (`serve.ray_head`), or joins one (`--address`, or one already
+running here), deploys the app, prints the URL and stays in the foreground until SIGTERM/SIGINT, then drains and
+stops what it started (`serve.lifecycle`); `--detach` records the service and returns (`rasd serve --stop`
+stops it the same way), which is what `make run` / `make stop` use.
 """
 
 
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from ray import serve
 
 from rasd.serve.config import ServeConfig
 from rasd.serve.ingress import RasdIngress
-from rasd.serve.loopback import is_single_machine, loopback_env, single_machine_ray
+from rasd.serve.lifecycle import (
+    APP_NAME,
+    DEFAULT_GRACE_S,
+    ServiceRecord,
+    StopRequested,
+    StopSignals,
+    drain_app,
+    drain_summary,
+    force_exit,
+    remove_app,
+    runs_dir,
+    stop_head,
+    stop_recorded,
+)
+from rasd.serve.loopback import loopback_env, single_machine_ray
+from rasd.serve.ray_head import (
+    RayHead,
+    enable_default_token_auth,
+    port_args,
+    running_local_ray,
+    session_pids,
+    start_head,
+)
 from rasd.serve.replica import RasdServer
-
-APP_NAME = "rasd"
-
 
 # ---------------------------------------------------------------------------------------------- builder
 
@@ -84,50 +102,142 @@ def ray_env(ray_host: str | None = None, http_host: str = LOOPBACK, http_port: i
 
 
 def run_serve(args: Any) -> int:
-    import ray
-
+    """`rasd serve`: start (or join) Ray, deploy, and in the foreground serve until SIGTERM/SIGINT, then stop in
+    order (`serve.lifecycle`); `--detach` returns with the service recorded for `--stop`."""
     from rasd.errors import CliError
 
+    grace_s = getattr(args, "grace_s", DEFAULT_GRACE_S)
+    if grace_s < 0:
+        raise CliError(f"--grace-s must be >= 0 (got {grace_s:g})")
     if args.stop:
-        return stop_detached()
+        return stop_recorded(grace_s)
     config = ServeConfig.from_args(args)      # checked before any Ray process starts
     _refuse_open(args.host, config.api_key, getattr(args, "insecure_no_key", False))
-    ray_host = args.ray_host
-    if args.detach and not args.address:
-        ensure_local_cluster(ray_host, args.host, args.port)
-        address: str | None = "auto"
-    else:
-        address = args.address
-    if address is None:                      # ray.init starts the local Ray: it inherits this environment
-        os.environ.update(ray_env(ray_host, args.host, args.port))
-    if (address is None and ray_host in LOOPBACK_HOSTS) or (address == "auto" and is_single_machine()):
-        single_machine_ray()                 # this driver's node address is 127.0.0.1, as the head's
-    local = {"_node_ip_address": ray_host} if address is None else {}   # a Ray started here binds ray_host
-    ray.init(address=address, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, **local)
+    run = Running()
+    signals = StopSignals(force=lambda signum: force_exit(run.head, run.connected, signum))
+    signals.install()                         # a signal while Ray starts stops what has started
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-    except ray.exceptions.RayError as exc:
-        # Seen when the machine is saturated: Serve's HTTP proxy misses its readiness checks and is killed.
-        raise CliError(f"Ray Serve did not come up ({type(exc).__name__}); if the machine is busy, retry when "
-                       f"it is not (logs: /tmp/ray/session_latest/logs/serve/); stop leftovers with "
-                       f"`rasd serve --stop`") from exc
+        run.start(args, config)
+        signals.install()                     # again: ray.init sets a SIGTERM handler of its own
+        _announce(args, config)
+        if args.detach:
+            run.detached = True
+            print("detached: stop it with `rasd serve --stop` (or `make stop`)", flush=True)
+            return 0
+        signals.serving = True
+        while not signals.requested.wait(1.0):
+            pass
+        print(f"\nrasd: {signals.name()}: draining (running requests get up to {grace_s:g} s; a second signal "
+              "stops at once)", file=sys.stderr, flush=True)
+        summary = drain_summary(drain_app(grace_s), grace_s)
+        print(f"rasd: stopped: {summary}; {run.stop()}", file=sys.stderr, flush=True)
+        return 0
+    except StopRequested as stop:
+        print(f"\nrasd: {stop}: stopping during start-up; {run.stop()}", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        if not run.detached:
+            run.stop()
+
+
+class Running:
+    """What one `rasd serve` has started, so that it is stopped once, in order, whatever ends the command."""
+
+    def __init__(self) -> None:
+        self.head: RayHead | None = None      # the Ray started here; None: a joined one (never stopped)
+        self.connected = False
+        self.detached = False
+        self.record: ServiceRecord | None = None
+        self.joined = ""
+        self.done = ""
+
+    def start(self, args: Any, config: ServeConfig) -> None:
+        """Start or join Ray, deploy the app, record the service."""
+        import ray
+
+        from rasd.errors import CliError
+
+        address, single = self._ray(args)
+        local = {"_node_ip_address": args.ray_host} if self.head is not None and not single else {}
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, **local)
+        self.connected = True
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+            serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        except ray.exceptions.RayError as exc:
+            # Seen when the machine is saturated: Serve's HTTP proxy misses its readiness checks and is killed.
+            raise CliError(f"Ray Serve did not come up ({type(exc).__name__}); if the machine is busy, retry when "
+                           f"it is not (logs: {session_dir()}/logs/serve/)") from exc
+        self.record = service_record(args, self.head, single, "detached" if args.detach else "foreground")
+        self.record.save()
+
+    def _ray(self, args: Any) -> tuple[str, bool]:
+        """The Ray to deploy on, and whether it is single-machine: `--address`, else one already running here
+        (both joined), else a head started now in its own session (owned)."""
+        given = None if args.address in (None, "auto") else args.address
+        found = given or running_local_ray()
+        if found or args.address == "auto":
+            self.joined = found or "auto"
+            # a Ray on loopback runs in single-machine mode (as the one rasd starts): so must this driver
+            single = self.joined.rpartition(":")[0].strip("[]") in LOOPBACK_HOSTS
+            if single:
+                single_machine_ray()
+            # one found here is joined as `auto`, which turns token auth on as that Ray's `ray start` did
+            return given or "auto", single
+        single = args.ray_host in LOOPBACK_HOSTS
+        enable_default_token_auth()           # before the head's environment is made: both use the same mode
+        env = {**ray_env(args.ray_host, args.host, args.port), **OWN_HEAD_ENV}
+        self.head = start_head([*head_start_args(args.ray_host), *port_args(single)], env,
+                               runs_dir() / f"ray-head-{args.port}.log")
+        if single:
+            single_machine_ray()
+        return self.head.address, single
+
+    def stop(self) -> str:
+        """Serve down (or rasd's app off a joined Ray), the Ray started here stopped, the record removed; once."""
+        if self.done:
+            return self.done
+        if self.connected:
+            remove_app(self.head is not None)
+            self.connected = False
+        done = stop_head(self.head) if self.head is not None else ""
+        if self.record is not None:
+            self.record.remove()
+        self.done = done or (f"left the Ray at {self.joined} running (rasd joined it)" if self.joined
+                             else "nothing had started")
+        return self.done
+
+
+OWN_HEAD_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}   # rasd drains first; Ray's own drain would wait
+
+
+def session_dir() -> str:
+    """The session folder of the Ray this driver joined ('' when unknown)."""
+    import ray
+
+    try:
+        return str(ray._private.worker.global_worker.node.get_session_dir_path())
+    except Exception:   # noqa: BLE001 - only used in messages and records
+        return ""
+
+
+def service_record(args: Any, head: RayHead | None, single: bool, mode: str) -> ServiceRecord:
+    """The record `--stop` finds this service by (`serve.lifecycle.ServiceRecord`)."""
+    import ray
+
+    address = head.address if head is not None else ray.get_runtime_context().gcs_address
+    return ServiceRecord(url=f"http://{args.host}:{args.port}", port=args.port, mode=mode, ray_address=address,
+                         ray_owned=head is not None, pid=os.getpid(), ray_head_pid=head.pid if head else 0,
+                         ray_session_dir=session_dir(), ray_auth_mode=os.environ.get("RAY_AUTH_MODE"),
+                         single_machine=single, ray_pids=session_pids(head.pid) if head else [],
+                         started=time.time())
+
+
+def _announce(args: Any, config: ServeConfig) -> None:
     url = f"http://{args.host}:{args.port}"
     _warn_open(args.host, config.api_key)
     print(f"rasd is serving {config.model} at {url}  (OpenAI API under {url}/v1, docs at {url}/docs)", flush=True)
-    if args.detach:
-        print("detached: stop it with `rasd serve --stop` (or `make stop`)", flush=True)
-        return 0
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("\nshutting down", file=sys.stderr)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    return 0
 
 
 def _refuse_open(host: str, key: str | None, accepted: bool) -> None:
@@ -150,75 +260,8 @@ def _warn_open(host: str, key: str | None) -> None:
               f"(set --api-key or RASD_API_KEY)", file=sys.stderr, flush=True)
 
 
-def _ray_cli() -> str:
-    """The `ray` command of this environment (the venv may not be on PATH)."""
-    local = Path(sys.executable).parent / "ray"
-    return str(local) if local.exists() else "ray"
-
-
-
-
 def head_start_args(ray_host: str = LOOPBACK) -> list[str]:
     """`ray start` arguments of the local head `rasd serve` starts: its servers (GCS, raylet, object manager,
     workers) bind `ray_host`, by default this machine only; no dashboard; token auth stays Ray's default."""
     return ["start", "--head", f"--node-ip-address={ray_host}", "--include-dashboard=false",
             "--disable-usage-stats"]
-
-
-def ensure_local_cluster(ray_host: str = LOOPBACK, http_host: str = LOOPBACK, http_port: int = 8000) -> None:
-    """Start a local head node that outlives this process (a detached service needs one)."""
-    probe = subprocess.run([_ray_cli(), "status"], capture_output=True, text=True)
-    if probe.returncode == 0:
-        return
-    started = subprocess.run([_ray_cli(), *head_start_args(ray_host)], capture_output=True, text=True,
-                             env=ray_env(ray_host, http_host, http_port))
-    if started.returncode != 0:
-        from rasd.errors import CliError
-
-        raise CliError(f"could not start a local Ray cluster: {started.stderr.strip().splitlines()[-1:]}")
-
-
-STOP_TIMEOUT_S = 30.0   # how long `rasd serve --stop` waits for Serve to drain before stopping Ray anyway
-
-
-def within(fn: Any, timeout_s: float) -> bool:
-    """Run `fn` on a daemon thread; True when it returned (or raised) within `timeout_s`.
-
-    Why: `serve.shutdown()` waits for every replica to drain, and a replica busy in a long ingest kept
-    `rasd serve --stop` waiting for minutes. Past the bound the caller stops Ray, which ends the replicas.
-    """
-    import threading
-
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            fn()
-        except Exception as exc:    # noqa: BLE001 - reported, and the caller stops Ray either way
-            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, daemon=True, name="rasd-stop").start()
-    return done.wait(timeout_s)
-
-
-def stop_detached(timeout_s: float = STOP_TIMEOUT_S) -> int:
-    import ray
-
-    if is_single_machine():
-        single_machine_ray()
-    drained = True
-    try:
-        ray.init(address="auto", log_to_driver=False)
-    except (ConnectionError, RuntimeError) as exc:
-        print(f"no running service found ({exc})", file=sys.stderr)
-    else:
-        drained = within(serve.shutdown, timeout_s)
-        if not drained:
-            print(f"the service did not shut down within {timeout_s:.0f} s (a replica busy, e.g. ingesting); "
-                  "stopping its Ray cluster", file=sys.stderr)
-        within(ray.shutdown, 10.0)
-    subprocess.run([_ray_cli(), "stop", *([] if drained else ["--force"])], capture_output=True, text=True)
-    print("stopped")
-    return 0

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from rasd.serve.auth import ApiKeyMiddleware, HostCheckMiddleware, resolve_api_key
 from rasd.serve.config import ServeConfig
+from rasd.serve.drain import Drain, DrainMiddleware
 from rasd.serve.limits import BodyLimitMiddleware, Limits, check_chat, check_documents, check_prompt, check_question
 from rasd.serve.metrics import CONTENT_TYPE, merge_metrics, router_metrics
 from rasd.serve.openai import (
@@ -43,10 +44,12 @@ api = FastAPI(title="rasd", description="Retrieval-augmented speculative decodin
 api.state.api_key = None       # set by the ingress; the middlewares check key and size before a body is read
 api.state.limits = Limits()
 api.state.allowed_hosts = []
+api.state.drain = Drain()      # `RasdIngress.drain`: refuse new requests, finish or cut the running ones
 api.add_middleware(BodyLimitMiddleware, limits_source=lambda: api.state.limits)
 api.add_middleware(ApiKeyMiddleware, key_source=lambda: api.state.api_key)
-api.add_middleware(HostCheckMiddleware, key_source=lambda: api.state.api_key,   # added last: runs first
+api.add_middleware(HostCheckMiddleware, key_source=lambda: api.state.api_key,
                    hosts_source=lambda: api.state.allowed_hosts)
+api.add_middleware(DrainMiddleware, drain_source=lambda: api.state.drain)   # added last: runs first, counts all
 
 
 @api.exception_handler(ApiError)
@@ -113,7 +116,7 @@ class RelayResponse(StreamingResponse):
     router counted the stream in flight and sent new requests away from an idle replica."""
 
     def __init__(self, lines: Any, stream_id: str, headers: dict[str, str]):
-        super().__init__(lines, media_type="text/event-stream", headers=headers)
+        super().__init__(api.state.drain.relay(lines), media_type="text/event-stream", headers=headers)
         self.lines, self.stream_id = lines, stream_id
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -224,6 +227,14 @@ class RasdIngress:
         answer = await self._call(self.replicas.documents.remote([d.model_dump() for d in body.documents], key))
         return self._response(answer)
 
+    # ------------------------------------------------------------------ shutdown
+    async def drain(self, grace_s: float) -> dict[str, int]:
+        """Called by `rasd serve` on SIGTERM/SIGINT and by `rasd serve --stop` (a handle call, no HTTP route):
+        new requests get 503 + Retry-After from now on, the running ones get `grace_s` to finish, the rest an
+        error (`serve.drain`). Returns how many were in flight, finished and cut."""
+        log.warning("draining: new requests are refused, running ones get %.0f s", grace_s)
+        return await api.state.drain.run(grace_s)
+
     # ------------------------------------------------------------------ helpers
     async def _generate(self, endpoint: str, body: Any, route: str) -> Any:
         """Hand a request to a replica chosen by its prompt's prefix; a stream starts once it is admitted."""
@@ -234,7 +245,7 @@ class RasdIngress:
         stream_id = uuid.uuid4().hex            # the router counts the stream in flight until it is closed
         lines = self.replicas.options(stream=True).stream.remote(endpoint, body, route=route, stream_id=stream_id)
         try:
-            replica = await lines.__anext__()
+            replica = await api.state.drain.call(lines.__anext__())
         except BaseException as exc:  # a refusal (429, 400) as its HTTP status; a client gone before the start
             _release(lines, stream_id)
             if isinstance(exc, Exception):
@@ -244,8 +255,9 @@ class RasdIngress:
 
     @staticmethod
     async def _call(response: Any) -> Any:
+        """A replica's answer (its own error unwrapped), or the shutdown 503 once a drain's grace has ended."""
         try:
-            return await response
+            return await api.state.drain.call(response)
         except Exception as exc:     # noqa: BLE001 - see _unwrapped
             raise _unwrapped(exc) from None
 

@@ -64,15 +64,6 @@ def single_machine_ray() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def is_single_machine(cluster_file: str = "/tmp/ray/ray_current_cluster") -> bool:
-    """Whether the running local Ray (the one `address="auto"` finds) has its GCS on loopback."""
-    try:
-        host = Path(cluster_file).read_text().strip().rsplit(":", 1)[0]
-    except OSError:
-        return False
-    return host in ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
 def loopback_env(keep_port: int | None = None) -> dict[str, str]:
     """Environment entries for a Ray whose processes must listen on loopback only: single-machine mode, and
     the bind shim when it could be built."""

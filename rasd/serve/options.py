@@ -36,7 +36,12 @@ def register(subparsers: Any) -> Any:
                         "a head other nodes join needs a reachable one, see docs/serving.md)")
     p.add_argument("--detach", action="store_true",
                    help="deploy on a local Ray cluster (started if needed) and return; `rasd serve --stop` ends it")
-    p.add_argument("--stop", action="store_true", help="shut down a detached service and its local Ray cluster")
+    p.add_argument("--stop", action="store_true",
+                   help="stop the services recorded under $RASD_HOME/run (detached or in the foreground): drain, "
+                        "Serve down, the Ray rasd started stopped (a joined Ray keeps running)")
+    p.add_argument("--grace-s", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT (or --stop), how long running requests get to finish before they are "
+                        "cut with an error (default 30)")
     p.set_defaults(func=_run)
     return p
 

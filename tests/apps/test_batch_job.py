@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,66 @@ def test_parts_are_atomic_and_half_written_files_never_count(tmp_path: Path,
     assert pq.read_table(out).num_rows == 2          # pyarrow's dataset reader skips hidden files too
     batch.remove_stale_temporaries(out)
     assert not (out / ".part-crashed.parquet.tmp").exists()
+
+
+def _hidden(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+
+
+def test_sigterm_while_a_part_is_written_commits_it_then_stops(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SIGTERM to this process in the middle of a part's write: the part is finished and committed, no
+    further batch is asked for, and the job reports what it committed (a rerun resumes after it)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    real_write = batch.pq.write_table
+
+    def write_signalled(table: pa.Table, where: Any, *args: Any, **kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        real_write(table, where, *args, **kwargs)
+
+    def tables() -> Iterator[pa.Table]:
+        yield _rows(["a", "b"])
+        raise AssertionError("asked for another batch after SIGTERM")
+
+    monkeypatch.setattr(batch.pq, "write_table", write_signalled)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(batch.BatchInterrupted) as stopped:
+        batch.write_parts(tables(), out)
+    assert (stopped.value.signum, stopped.value.answered, stopped.value.parts) == (signal.SIGTERM, 2, 1)
+    assert done_ids(out) == {"a", "b"} and _hidden(out) == []
+    assert signal.getsignal(signal.SIGTERM) == before, "the handler is put back"
+
+
+def test_sigterm_while_a_batch_is_answered_drops_it_and_a_second_one_mid_write_discards_the_part(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def tables() -> Iterator[pa.Table]:
+        yield _rows(["a"])
+        os.kill(os.getpid(), signal.SIGTERM)          # while the next batch is being answered
+        time.sleep(30)
+        yield _rows(["b"])
+
+    start = time.monotonic()
+    with pytest.raises(batch.BatchInterrupted) as stopped:
+        batch.write_parts(tables(), out)
+    assert stopped.value.parts == 1 and time.monotonic() - start < 20
+    assert done_ids(out) == {"a"} and _hidden(out) == []
+
+    real_write = batch.pq.write_table
+
+    def write_signalled_twice(table: pa.Table, where: Any, *args: Any, **kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)          # the second one stops at once, mid-write
+        real_write(table, where, *args, **kwargs)
+
+    monkeypatch.setattr(batch.pq, "write_table", write_signalled_twice)
+    with pytest.raises(batch.BatchInterrupted) as stopped:
+        batch.write_parts(iter([_rows(["c"])]), out)
+    assert stopped.value.parts == 0
+    assert done_ids(out) == {"a"} and _hidden(out) == [], "the half-written part was discarded"
 
 
 def test_resume_refuses_an_output_made_with_other_options(tmp_path: Path) -> None:

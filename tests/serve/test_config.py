@@ -15,7 +15,7 @@ from rasd.serve.config import ConfigError, RouterOptions, ServeConfig
 from rasd.serve.options import register
 
 # `rasd serve` flags that run the command rather than configure the service
-PROCESS_FLAGS = {"host", "port", "address", "ray_host", "detach", "stop", "insecure_no_key"}
+PROCESS_FLAGS = {"host", "port", "address", "ray_host", "detach", "stop", "insecure_no_key", "grace_s"}
 # flags that fill a field from another form (`ServeConfig.from_args`)
 FORM_FLAGS = {"limit": "limits", "allowed_host": "allowed_hosts", "draft_worker_resources": "draft_worker_options",
               "verifier_gpus": "verifier_options", "verifier_resources": "verifier_options"}

@@ -452,25 +452,34 @@ def test_load_level_counts_errors_and_rejections_without_retrying(service: dict[
 
 
 def test_a_ray_started_for_the_service_runs_serve_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`rasd serve --detach` starts Ray with Serve's control loop at 1 s (not 0.1 s), unless the user chose."""
+    """The Ray `rasd serve` starts runs Serve's control loop at 1 s (not 0.1 s), unless the user chose, and
+    without Ray's own SIGTERM drain (rasd drains first); in a session of its own, on free ports."""
+    import argparse
     import os
-    import subprocess
 
     from rasd.serve import app as serve_mod
     from rasd.serve.loopback import build_shim
 
-    build_shim()     # compiled for real first: the fake below replaces subprocess.run everywhere
-    calls: list[tuple[list[str], dict[str, Any]]] = []
+    build_shim()
+    started: list[tuple[list[str], dict[str, str]]] = []
 
-    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
-        calls.append((cmd, kwargs))
-        return subprocess.CompletedProcess(cmd, 1 if cmd[1] == "status" else 0, "", "")   # no cluster yet
+    class Started(Exception):
+        pass
 
-    monkeypatch.setattr(serve_mod.subprocess, "run", fake_run)
+    def fake_start(args: list[str], env: dict[str, str], log: Any) -> Any:
+        started.append((args, env))
+        raise Started
+
+    monkeypatch.setattr(serve_mod, "start_head", fake_start)
+    monkeypatch.setattr(serve_mod, "running_local_ray", lambda: None)       # no Ray running here
     monkeypatch.delenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", raising=False)
-    serve_mod.ensure_local_cluster()
-    (env,) = [kwargs["env"] for cmd, kwargs in calls if cmd[1:3] == ["start", "--head"]]
+    args = argparse.Namespace(address=None, ray_host="127.0.0.1", host="127.0.0.1", port=8000)
+    with pytest.raises(Started):
+        serve_mod.Running()._ray(args)
+    ((head_args, env),) = started
+    assert head_args[:2] == ["start", "--head"] and any(a.startswith("--port=") for a in head_args)
     assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "1.0"
+    assert env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"
     assert env["PATH"] == os.environ["PATH"], "the rest of the environment is passed on"
     monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
     assert serve_mod.ray_env()["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2", "the user's setting wins"
