@@ -254,6 +254,16 @@ def _job_result(job: dict[str, Any]) -> dict[str, Any]:
     return {**(job.get("result") or {"added": job.get("added")}), "job": job["job"]}
 
 
+def _poll_once(get: Any, answer: dict[str, Any]) -> dict[str, Any]:
+    """The job's status; while no replica answers (one restarting), "running" as far as the client knows."""
+    try:
+        return get(answer["status_url"])
+    except (httpx.TransportError, ApiError) as exc:
+        if isinstance(exc, ApiError) and exc.status != 503:
+            raise
+        return {"job": answer["job"], "status": "running", "progress": 0.0, "stage": "unknown"}
+
+
 def _poll_job(get: Any, answer: dict[str, Any], deadline: float, progress: bool | None) -> dict[str, Any]:
     """Poll a job's status URL until it ends or `deadline` passes (polls 0.25 s apart, growing to POLL_MAX_S);
     a tqdm bar of its progress once it has run BAR_AFTER_S."""
@@ -262,7 +272,7 @@ def _poll_job(get: Any, answer: dict[str, Any], deadline: float, progress: bool 
     start, wait, bar = time.monotonic(), min(0.25, POLL_MAX_S), None
     try:
         while True:
-            job = get(answer["status_url"])
+            job = _poll_once(get, answer)
             if job["status"] not in ("queued", "running"):
                 if bar is not None:
                     bar.update(bar.total - bar.n)

@@ -39,6 +39,7 @@ JOB_ID = re.compile(r"^ingest-[0-9a-f]{16,64}$")
 ACTIVE = ("queued", "running")
 SAVE_EVERY_S = 1.0                           # progress is written at most this often
 KEEP_JOBS = 10_000                           # finished records kept in memory (the oldest dropped first)
+KEEP_RECORDS_S = 7 * 86_400                  # stored records older than this are removed when a replica starts
 DEFAULT_RETRY_AFTER_S = 10
 # share of a job's progress per stage: embedding is nearly all of an ingest's time (99% in a 1 MB profile)
 STAGES = {"tokenizing": (0.0, 0.02), "embedding": (0.02, 0.97), "writing": (0.97, 0.99)}
@@ -120,6 +121,7 @@ class IngestQueue:
         self._jobs: dict[str, IngestJob] = {}
         self._pending = 0                    # queued + running: the places taken
         self._saved: dict[str, float] = {}
+        self._prune()
 
     # ------------------------------------------------------------------ records
     def get(self, job_id: str) -> IngestJob | None:
@@ -143,6 +145,18 @@ class IngestQueue:
         except (OSError, ValueError) as exc:
             log.warning("%s: unreadable ingest job record (%s)", path, exc)
             return None
+
+    def _prune(self) -> None:
+        """Remove stored records (and a crashed writer's temporaries) older than KEEP_RECORDS_S."""
+        if self.folder is None or not self.folder.is_dir():
+            return
+        old = time.time() - KEEP_RECORDS_S
+        for path in self.folder.glob("ingest-*.json*"):
+            try:
+                if path.stat().st_mtime < old:
+                    path.unlink()
+            except OSError:
+                continue
 
     def _save(self, job: IngestJob, force: bool = True) -> None:
         """Write the record (at most every SAVE_EVERY_S unless `force`); a failed write is logged, never fatal."""

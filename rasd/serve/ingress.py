@@ -244,6 +244,8 @@ class RasdIngress:
             raise ApiError(404, f"no ingest job {job_id[:80]!r}", "not_found_error", "job")
         answers = await self._every_replica("ingest_job", job_id)
         known = [a for a in answers if isinstance(a, dict)]
+        if not known:                                       # restarting: the client polls on
+            raise ApiError(503, "no replica answered; retry", "service_unavailable")
         records = [a["job"] for a in known if a["job"] is not None]
         if not records:
             raise ApiError(404, f"no ingest job {job_id!r}", "not_found_error", "job")

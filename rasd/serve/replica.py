@@ -231,7 +231,8 @@ class RasdServer:
             if job.status != "done" or job.result is None:
                 raise ApiError(409, f"ingest job {job.id} is {job.status}", param="Idempotency-Key")
             return self._answer({**job.result, "replayed": True})
-        return self._answer(await asyncio.wrap_future(job.future))
+        # shielded: a client that leaves must not cancel a queued job (it would never run, nor free its place)
+        return self._answer(await asyncio.shield(asyncio.wrap_future(job.future)))
 
     async def ingest_job(self, job_id: str) -> dict[str, Any]:
         """A job's record as this replica knows it (None: unknown here), and this replica's id (`broadcast`)."""

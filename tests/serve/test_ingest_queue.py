@@ -140,3 +140,19 @@ def test_job_ids_are_safe_file_names_and_a_keys_id_is_stable(tmp_path: Path) -> 
 def test_an_api_error_keeps_its_headers_across_processes() -> None:
     error = pickle.loads(pickle.dumps(ApiError(429, "full", "rate_limit_error", headers={"Retry-After": "7"})))
     assert (error.status, error.headers) == (429, {"Retry-After": "7"})
+
+
+def test_old_records_are_removed_when_a_replica_starts(tmp_path: Path) -> None:
+    import os
+
+    from rasd.serve.ingest import KEEP_RECORDS_S
+
+    folder = tmp_path / JOBS_DIR
+    folder.mkdir()
+    old, recent = folder / f"{job_id_for(None)}.json", folder / f"{job_id_for(None)}.json"
+    for path in (old, recent):
+        path.write_text("{}")
+    stale = time.time() - KEEP_RECORDS_S - 60
+    os.utime(old, (stale, stale))
+    IngestQueue(tmp_path, "replica-a", 0)
+    assert not old.exists() and recent.exists()
