@@ -61,7 +61,7 @@ class IngestJob:
     """One ingest: what was sent (sizes and hashes, not the text), where it runs, how far it is, how it ended."""
 
     id: str
-    owner: str                              # the replica that runs it
+    replica: str                            # the replica that runs it
     documents: int
     text_bytes: int
     key: str | None = None                  # sha256 of the Idempotency-Key
@@ -101,9 +101,9 @@ def public(record: dict[str, Any]) -> dict[str, Any]:
 def settled(record: dict[str, Any], running_replicas: set[str]) -> dict[str, Any]:
     """A stored record as it stands: one left queued or running by a replica that is no longer running (it died,
     or the service restarted) failed, with that reason. `running_replicas`: every replica that answered."""
-    if record["status"] not in ACTIVE or record["owner"] in running_replicas:
+    if record["status"] not in ACTIVE or record["replica"] in running_replicas:
         return record
-    message = (f"the replica that ran this ingest ({record['owner']}) stopped before it was committed (it died or "
+    message = (f"the replica that ran this ingest ({record['replica']}) stopped before it was committed (it died or "
                "the service restarted); post it again with the same Idempotency-Key to run it again")
     return {**record, "status": "failed", "stage": "failed",
             "error": {"message": message, "type": "service_unavailable", "param": None, "code": 503}}
@@ -181,7 +181,7 @@ class IngestQueue:
             self._jobs.pop(job.id, None)
             self._jobs[job.id] = job
             self._trim()
-        job.owner = self.owner
+        job.replica = self.owner
         self._save(job)
         job.future = self._executor.submit(self._run, job, work)
         return job

@@ -264,7 +264,7 @@ class Service:
         if earlier is not None:
             if earlier.body != claim["body"]:
                 raise ApiError(422, "this Idempotency-Key was used with other documents", param="Idempotency-Key")
-            if earlier.status == "done" or (earlier.status in ACTIVE and earlier.owner == self.ingests.owner):
+            if earlier.status == "done" or (earlier.status in ACTIVE and earlier.replica == self.ingests.owner):
                 return earlier, False
         job = IngestJob(job_id, self.ingests.owner, len(docs), sum(len(str(d["text"]).encode("utf-8", "replace"))
                                                                     for d in docs),
@@ -280,13 +280,13 @@ class Service:
         if job is None:
             return None
         record = job.record()
-        if job.status in ACTIVE and job.owner != self.ingests.owner and job.key and self.index is not None:
+        if job.status in ACTIVE and job.replica != self.ingests.owner and job.key and self.index is not None:
             from rasd.index.writer import idempotency_record
 
             committed = idempotency_record(self.index.root, job.key)
             if committed is not None and committed["body"] == job.body:
                 record.update(status="done", stage="done", progress=1.0, added=committed["added"])
-        return {**public(record), "live": job.owner == self.ingests.owner}
+        return {**public(record), "live": job.replica == self.ingests.owner}
 
     def _ingest_work(self, docs: list[dict[str, Any]], key: str | None, progress: Progress) -> dict[str, Any]:
         try:

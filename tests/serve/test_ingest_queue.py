@@ -88,7 +88,7 @@ def test_records_show_real_progress_and_are_stored_under_the_index(tmp_path: Pat
             steps.append(queue.get(job.id).progress)
         progress("writing", 0, 1)
         stored = queue.stored(job.id)
-        assert stored is not None and stored["status"] == "running" and stored["owner"] == "replica-a"
+        assert stored is not None and stored["status"] == "running" and stored["replica"] == "replica-a"
         return {"added": 3, "num_documents": 7, "num_chunks": 9}
 
     job = queue.submit(new_job(queue, "ab" * 32), work)
