@@ -85,8 +85,16 @@ class Service:
         self.metrics = ServiceMetrics(self.load)
         if not decode_only and self.index is not None:
             self._search("warm up", 1)    # loads the query embedder before the first request needs it
+            self._warm_ingest()
         self.backend.start(self._warm_prompts())
         self.started = time.time()
+
+    def _warm_ingest(self) -> None:
+        """The index tokenizer and its fingerprint, loaded once here: on the first ingest's thread they held the
+        GIL for seconds while a stream beside it waited for its first token."""
+        from rasd.index.chunking import load_tokenizer, tokenizer_fingerprint
+
+        tokenizer_fingerprint(load_tokenizer(self.config.model))
 
     @property
     def index(self) -> Any:
