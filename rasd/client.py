@@ -27,6 +27,9 @@ from typing import Any
 import httpx
 
 RETRY_STATUSES = {503}
+JOB_TIMEOUT_S = 6 * 3600.0     # a 10 MB ingest took 43 minutes on a 2-core CPU beside a stream
+BAR_AFTER_S = 3.0              # a job's progress bar appears once it has run this long
+POLL_MAX_S = 5.0
 
 
 class ApiError(RuntimeError):
@@ -152,6 +155,21 @@ class Client:
             time.sleep(self.backoff_s * 2 ** attempt)
         raise AssertionError("unreachable")
 
+    def _get(self, path: str) -> dict[str, Any]:
+        """GET with the same retries as `_post` (a status poll must outlive a replica's restart)."""
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.http.get(path)
+            except httpx.TransportError:
+                if attempt == self.retries:
+                    raise
+            else:
+                if response.status_code not in self.retry_statuses or attempt == self.retries:
+                    _raise_for(response)
+                    return response.json()
+            time.sleep(self.backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")
+
     def _stream(self, path: str, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
         with self.http.stream("POST", path, json={**payload, "stream": True}) as response:
             if response.status_code >= 400:
@@ -191,14 +209,87 @@ class Client:
         """Events: {"sources": [...]}, then {"delta": text}..., then the final answer object."""
         yield from self._stream("/v1/docqa", {"question": question, **params})
 
-    def add_documents(self, documents: list[dict[str, Any]], idempotency_key: str | None = None) -> dict[str, Any]:
+    def add_documents(self, documents: list[dict[str, Any]], idempotency_key: str | None = None,
+                      as_job: bool = False, job_timeout_s: float = JOB_TIMEOUT_S,
+                      progress: bool | None = None) -> dict[str, Any]:
         """Add documents to the service's index; every retry carries one `Idempotency-Key` (yours, else a new
-        random one), so a retry after a lost answer never adds the batch twice."""
-        return self._post("/v1/documents", {"documents": documents}, _ingest_headers(idempotency_key))
+        random one), so a retry after a lost answer never adds the batch twice.
+
+        A large batch (or `as_job`) becomes a job on the service (202): its status is polled until it is done
+        (at most `job_timeout_s`, then `JobTimeout`), with a progress bar after a few seconds (`progress`: None
+        shows it on a terminal only, as tqdm does). A job whose replica stopped is posted again under the same
+        key (it runs again; the index keeps the batch once). The answer: {"added", "num_documents",
+        "num_chunks"} as for a small batch, plus "job"."""
+        headers = _ingest_headers(idempotency_key)
+        payload = {"documents": documents, **({"async": True} if as_job else {})}
+        deadline = time.monotonic() + job_timeout_s
+        for attempt in range(self.retries + 1):
+            answer = self._post("/v1/documents", payload, headers)
+            if "status_url" not in answer:
+                return answer
+            job = _poll_job(self._get, answer, deadline, progress)
+            if not _restart(job) or attempt == self.retries:
+                return _job_result(job)
+        raise AssertionError("unreachable")
+
+
+class JobTimeout(ApiError):
+    """An ingest job that did not end within the client's `job_timeout_s` (it may still be running)."""
 
 
 def _ingest_headers(key: str | None) -> dict[str, str]:
     return {"Idempotency-Key": key or f"rasd-client-{uuid.uuid4().hex}"}
+
+
+def _restart(job: dict[str, Any]) -> bool:
+    """A job that failed because its replica stopped (503): posting it again under its key runs it again."""
+    return job["status"] == "failed" and (job.get("error") or {}).get("code") == 503
+
+
+def _job_result(job: dict[str, Any]) -> dict[str, Any]:
+    """A finished job as `add_documents` answers; a failed one raises its error."""
+    if job["status"] != "done":
+        err = job.get("error") or {}
+        raise ApiError(int(err.get("code") or 500), err.get("message", "the ingest job failed"), err.get("type", ""))
+    return {**(job.get("result") or {"added": job.get("added")}), "job": job["job"]}
+
+
+def _poll_once(get: Any, answer: dict[str, Any]) -> dict[str, Any]:
+    """The job's status; while no replica answers (one restarting), "running" as far as the client knows."""
+    try:
+        return get(answer["status_url"])
+    except (httpx.TransportError, ApiError) as exc:
+        if isinstance(exc, ApiError) and exc.status != 503:
+            raise
+        return {"job": answer["job"], "status": "running", "progress": 0.0, "stage": "unknown"}
+
+
+def _poll_job(get: Any, answer: dict[str, Any], deadline: float, progress: bool | None) -> dict[str, Any]:
+    """Poll a job's status URL until it ends or `deadline` passes (polls 0.25 s apart, growing to POLL_MAX_S);
+    a tqdm bar of its progress once it has run BAR_AFTER_S."""
+    from tqdm.auto import tqdm
+
+    start, wait, bar = time.monotonic(), min(0.25, POLL_MAX_S), None
+    try:
+        while True:
+            job = _poll_once(get, answer)
+            if job["status"] not in ("queued", "running"):
+                if bar is not None:
+                    bar.update(bar.total - bar.n)
+                return job
+            if bar is None and time.monotonic() - start >= BAR_AFTER_S and progress is not False:
+                bar = tqdm(total=100, desc="ingest", unit="%", disable=None if progress is None else False)
+            if bar is not None:
+                bar.set_postfix_str(job.get("stage", ""))
+                bar.update(max(0, int(job["progress"] * 100) - bar.n))
+            if time.monotonic() + wait > deadline:
+                raise JobTimeout(504, f"ingest job {job['job']} is still {job['status']} ({job['progress']:.0%}) "
+                                      f"after the client's timeout; poll {answer['status_url']}", "timeout")
+            time.sleep(wait)
+            wait = min(wait * 1.5, POLL_MAX_S)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 class AsyncClient:
@@ -254,10 +345,38 @@ class AsyncClient:
         async for event in self._stream("/v1/completions", {"prompt": prompt, **params}):
             yield _delta(event)
 
-    async def add_documents(self, documents: list[dict[str, Any]], idempotency_key: str | None = None
-                            ) -> dict[str, Any]:
-        """As `Client.add_documents`: one `Idempotency-Key` across retries."""
-        return await self._post("/v1/documents", {"documents": documents}, _ingest_headers(idempotency_key))
+    async def add_documents(self, documents: list[dict[str, Any]], idempotency_key: str | None = None,
+                            as_job: bool = False, job_timeout_s: float = JOB_TIMEOUT_S) -> dict[str, Any]:
+        """As `Client.add_documents` (one `Idempotency-Key` across retries, a job polled to its end), without a
+        progress bar."""
+        headers = _ingest_headers(idempotency_key)
+        payload = {"documents": documents, **({"async": True} if as_job else {})}
+        deadline = time.monotonic() + job_timeout_s
+        for attempt in range(self.retries + 1):
+            answer = await self._post("/v1/documents", payload, headers)
+            if "status_url" not in answer:
+                return answer
+            job = await self._poll_job(answer, deadline)
+            if not _restart(job) or attempt == self.retries:
+                return _job_result(job)
+        raise AssertionError("unreachable")
+
+    async def _poll_job(self, answer: dict[str, Any], deadline: float) -> dict[str, Any]:
+        wait = 0.25
+        while True:
+            response = await self.http.get(answer["status_url"])
+            if response.status_code in self.retry_statuses:
+                job = {"job": answer["job"], "status": "running", "progress": 0.0}
+            else:
+                _raise_for(response)
+                job = response.json()
+            if job["status"] not in ("queued", "running"):
+                return job
+            if time.monotonic() + wait > deadline:
+                raise JobTimeout(504, f"ingest job {job['job']} is still {job['status']} after the client's "
+                                      f"timeout; poll {answer['status_url']}", "timeout")
+            await self._sleep(wait)
+            wait = min(wait * 1.5, POLL_MAX_S)
 
 
 def main(argv: list[str] | None = None) -> int:

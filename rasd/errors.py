@@ -14,13 +14,16 @@ class CliError(Exception):
 class ApiError(Exception):
     """An error with an HTTP status and an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        """`headers`: sent with the error response (a 429's `Retry-After`)."""
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = dict(headers or {})
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled whole: a replica's refusal crosses Ray to the ingress and keeps its HTTP status."""
-        return type(self), (self.status, self.message, self.type, self.param)
+        """Pickled whole: a replica's refusal crosses Ray to the ingress and keeps its HTTP status and headers."""
+        return type(self), (self.status, self.message, self.type, self.param, self.headers)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.status)

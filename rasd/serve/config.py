@@ -73,6 +73,11 @@ class ServeConfig:
     history_mb: int = setting(64, "earlier answers kept per replica as a drafting source (`history`, "
                                   "SuffixDecoding); 0: off", minimum=0, flag=True)
     max_waiting: int = setting(16, "queued requests beyond the batch (then 429)", minimum=0, flag=True)
+    max_ingest_waiting: int = setting(2, "ingests that may wait behind the one running, per replica (then 429 "
+                                         "with Retry-After)", minimum=0, flag=True)
+    ingest_job_bytes: int = setting(1_000_000, "an ingest with more text than this (UTF-8 bytes) answers 202 with "
+                                               "a job to poll at once (`\"async\": true` asks for one at any "
+                                               "size)", minimum=0, flag=True)
     max_tokens_limit: int = setting(1024, "the largest max_tokens a request may ask for", minimum=1, flag=True)
     max_prompt_tokens: int | None = setting(None, "default: the model's context minus room for one token",
                                             minimum=1)

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from rasd.serve.auth import ApiKeyMiddleware, HostCheckMiddleware, resolve_api_key
 from rasd.serve.config import ServeConfig
 from rasd.serve.drain import Drain, DrainMiddleware
+from rasd.serve.ingest import JOB_ID, settled
 from rasd.serve.limits import BodyLimitMiddleware, Limits, check_chat, check_documents, check_prompt, check_question
 from rasd.serve.metrics import CONTENT_TYPE, merge_metrics, router_metrics
 from rasd.serve.openai import (
@@ -54,7 +55,7 @@ api.add_middleware(DrainMiddleware, drain_source=lambda: api.state.drain)   # ad
 
 @api.exception_handler(ApiError)
 async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None) or None)
 
 
 @api.exception_handler(HTTPException)
@@ -78,6 +79,11 @@ def _unwrapped(exc: BaseException) -> BaseException:
     """The replica's own exception inside Ray's wrapper (an ApiError keeps its HTTP status)."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc
+
+
+def _job_view(record: dict[str, Any]) -> dict[str, Any]:
+    """A job's status answer: the record without what only replicas use."""
+    return {k: v for k, v in record.items() if k != "live"}
 
 
 def chat_route(body: ChatRequest) -> str:
@@ -224,8 +230,32 @@ class RasdIngress:
         key = request.headers.get("idempotency-key")
         if key is not None and not 1 <= len(key) <= 255:
             raise ApiError(400, "Idempotency-Key must have 1 to 255 characters", param="Idempotency-Key")
-        answer = await self._call(self.replicas.documents.remote([d.model_dump() for d in body.documents], key))
-        return self._response(answer)
+        docs = [d.model_dump() for d in body.documents]
+        size = sum(len(d["text"].encode("utf-8", "replace")) for d in docs)
+        as_job = body.async_ or size > self.config.ingest_job_bytes
+        answer = await self._call(self.replicas.documents.remote(docs, key, as_job))
+        response = self._response(answer)
+        if response.status_code == 202:
+            response.headers["Location"] = answer["body"]["status_url"]
+        return response
+
+    @api.get("/v1/documents/jobs/{job_id}")
+    async def ingest_job(self, job_id: str) -> dict[str, Any]:
+        """An ingest job's state, from the replica that runs it, else from its record under the index: one left
+        queued or running by a replica that no longer runs is failed (`serve.ingest.settled`)."""
+        if not JOB_ID.match(job_id):
+            raise ApiError(404, f"no ingest job {job_id[:80]!r}", "not_found_error", "job")
+        answers = await self._every_replica("ingest_job", job_id)
+        known = [a for a in answers if isinstance(a, dict)]
+        if not known:                                       # restarting: the client polls on
+            raise ApiError(503, "no replica answered; retry", "service_unavailable")
+        records = [a["job"] for a in known if a["job"] is not None]
+        if not records:
+            raise ApiError(404, f"no ingest job {job_id!r}", "not_found_error", "job")
+        live = next((r for r in records if r["live"]), None)
+        if live is not None or len(known) < len(answers):   # a replica that did not answer may be running it
+            return _job_view(live or records[0])
+        return _job_view(settled(records[0], {a["replica"] for a in known}))
 
     # ------------------------------------------------------------------ shutdown
     async def drain(self, grace_s: float) -> dict[str, int]:
@@ -263,12 +293,13 @@ class RasdIngress:
 
     @staticmethod
     def _response(answer: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(answer["body"], headers={REPLICA_HEADER: answer["replica"], **(headers or {})})
+        return JSONResponse(answer["body"], status_code=answer.get("status", 200),
+                            headers={REPLICA_HEADER: answer["replica"], **(headers or {})})
 
-    async def _every_replica(self, method: str) -> list[Any]:
+    async def _every_replica(self, method: str, *args: Any) -> list[Any]:
         """`method`'s answer from every running replica (an exception in place of one that failed)."""
         try:
-            response = self.replicas.broadcast(method)
+            response = self.replicas.broadcast(method, *args)
             return await asyncio.wait_for(response.results_async(return_exceptions=True), STATE_TIMEOUT_S)
         except Exception as exc:     # noqa: BLE001 - no replica up yet, or none answered in time
             return [exc]

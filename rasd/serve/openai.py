@@ -257,9 +257,11 @@ class DocumentIn(BaseModel):
 
 
 class DocumentsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     documents: list[DocumentIn] = Field(min_length=1)
+    async_: bool = Field(default=False, alias="async", description="answer 202 with an ingest job to poll, "
+                                                                   "whatever the batch's size")
 
 
 def new_id(prefix: str) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 from ray import serve
 
 from rasd.serve.config import ServeConfig
+from rasd.serve.ingest import ACTIVE, status_url
 from rasd.serve.openai import (
     FINISH_REASONS,
     ApiError,
@@ -155,8 +156,8 @@ class RasdServer:
 
     def __init__(self, config: ServeConfig):
         self.config = config           # checked and resolved by `build_app` (`ServeConfig.from_dict/from_args`)
-        self.service = Service(self.config)
         self.replica_id = _replica_id()
+        self.service = Service(self.config, owner=self.replica_id)
 
     def __del__(self) -> None:
         """Serve calls this when it shuts a replica down: persist the recycling matrix (hot next start)."""
@@ -221,12 +222,24 @@ class RasdServer:
                 with contextlib.suppress(RuntimeError):
                     await events.aclose()
 
-    async def documents(self, docs: list[dict[str, Any]], key: str | None) -> dict[str, Any]:
-        try:
-            added = await asyncio.to_thread(self.service.add_documents, docs, key)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="documents") from exc
-        return self._answer(added)
+    async def documents(self, docs: list[dict[str, Any]], key: str | None, as_job: bool = False) -> dict[str, Any]:
+        """An ingest, queued on the service's ingest thread (`serve.ingest`; full: 429 at once). `as_job`, or a
+        re-post of a job still queued or running: 202 with the job's status URL at once; else the answer when
+        it is committed (a re-post of a finished job: its answer, `"replayed": true`)."""
+        job, fresh = await asyncio.to_thread(self.service.ingest, docs, key)   # hashing a large body: off the loop
+        if as_job or (not fresh and job.status in ACTIVE):
+            return {**self._answer({"job": job.id, "status_url": status_url(job.id), "status": job.status}),
+                    "status": 202}
+        if job.future is None or not fresh:
+            if job.status != "done" or job.result is None:
+                raise ApiError(409, f"ingest job {job.id} is {job.status}", param="Idempotency-Key")
+            return self._answer({**job.result, "replayed": True})
+        # shielded: a client that leaves must not cancel a queued job (it would never run, nor free its place)
+        return self._answer(await asyncio.shield(asyncio.wrap_future(job.future)))
+
+    async def ingest_job(self, job_id: str) -> dict[str, Any]:
+        """A job's record as this replica knows it (None: unknown here), and this replica's id (`broadcast`)."""
+        return {"replica": self.replica_id, "job": await asyncio.to_thread(self.service.ingest_job, job_id)}
 
     def _answer(self, body: Any) -> dict[str, Any]:
         return {"replica": self.replica_id, "body": body}

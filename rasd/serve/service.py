@@ -12,6 +12,7 @@ and reused without an HTTP server.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +38,7 @@ from rasd.distributed.backend import (
 )
 from rasd.errors import ApiError
 from rasd.serve.config import ServeConfig
+from rasd.serve.ingest import ACTIVE, IngestJob, IngestQueue, Progress, job_id_for, public
 from rasd.serve.metrics import ServiceMetrics
 from rasd.text import encode_chat, has_chat_template
 
@@ -65,8 +67,9 @@ class Service:
     """Target model (tokenizer, limits) + index + a decoding back-end; request handling shared by every HTTP
     endpoint."""
 
-    def __init__(self, config: ServeConfig, decode_only: bool = False):
-        """`decode_only`: no search warm-up (a caller that brings prompts it built already)."""
+    def __init__(self, config: ServeConfig, decode_only: bool = False, owner: str | None = None):
+        """`decode_only`: no search warm-up (a caller that brings prompts it built already); `owner`: this
+        replica's name in the ingest jobs' records."""
         from rasd.decoding.model.loading import load_model
 
         self.config = config
@@ -77,12 +80,22 @@ class Service:
         config = self.config = replace(config, dtype=self.target.dtype)
         self.indexes = IndexHolder(config.index, self.target, self.compute, config.retrieval_shards)
         self._ingest_lock = threading.Lock()
+        self.ingests = IngestQueue(None if self.index is None else self.index.root, owner or f"local-{os.getpid()}",
+                                   config.max_ingest_waiting)
         self.backend = make_backend(config, self.target, self.compute, self.indexes)
         self.metrics = ServiceMetrics(self.load)
         if not decode_only and self.index is not None:
             self._search("warm up", 1)    # loads the query embedder before the first request needs it
+            self._warm_ingest()
         self.backend.start(self._warm_prompts())
         self.started = time.time()
+
+    def _warm_ingest(self) -> None:
+        """The index tokenizer and its fingerprint, loaded once here: on the first ingest's thread they held the
+        GIL for seconds while a stream beside it waited for its first token."""
+        from rasd.index.chunking import load_tokenizer, tokenizer_fingerprint
+
+        tokenizer_fingerprint(load_tokenizer(self.config.model))
 
     @property
     def index(self) -> Any:
@@ -254,7 +267,58 @@ class Service:
         return self.backend.stats()["draft_workers"]
 
     # ------------------------------------------------------------------ documents
-    def add_documents(self, docs: list[dict[str, Any]], idempotency_key: str | None = None) -> dict[str, Any]:
+    def ingest(self, docs: list[dict[str, Any]], idempotency_key: str | None = None) -> tuple[IngestJob, bool]:
+        """Queue an ingest on the ingest thread (429 with Retry-After when its queue is full): (the job to wait
+        for or to poll, whether it is new). A re-post under the same Idempotency-Key (the same documents, else
+        422) gets its job back while it is queued, running or done; a failed one (or one whose replica stopped)
+        runs again under the same id, and the index's manifest keeps the batch once however often it runs."""
+        self._check_documents(docs)
+        claim = None if idempotency_key is None else idempotency_claim(idempotency_key, docs)
+        job_id = job_id_for(None if claim is None else claim["key"])
+        earlier = self.ingests.get(job_id) if claim is not None else None
+        if earlier is not None:
+            if earlier.body != claim["body"]:
+                raise ApiError(422, "this Idempotency-Key was used with other documents", param="Idempotency-Key")
+            if earlier.status == "done" or (earlier.status in ACTIVE and earlier.replica == self.ingests.owner):
+                return earlier, False
+        job = IngestJob(job_id, self.ingests.owner, len(docs), sum(len(str(d["text"]).encode("utf-8", "replace"))
+                                                                    for d in docs),
+                        None if claim is None else claim["key"], None if claim is None else claim["body"],
+                        attempts=1 if earlier is None else earlier.attempts + 1)
+        return self.ingests.submit(job, lambda progress: self._ingest_work(docs, idempotency_key, progress)), True
+
+    def ingest_job(self, job_id: str) -> dict[str, Any] | None:
+        """A job's record as this replica knows it (in memory, else stored under the index), with "live": whether
+        this replica runs it. A stored record left queued or running whose batch the manifest shows committed is
+        done (its replica stopped between the commit and the record)."""
+        job = self.ingests.get(job_id)
+        if job is None:
+            return None
+        record = job.record()
+        if job.status in ACTIVE and job.replica != self.ingests.owner and job.key and self.index is not None:
+            from rasd.index.writer import idempotency_record
+
+            committed = idempotency_record(self.index.root, job.key)
+            if committed is not None and committed["body"] == job.body:
+                record.update(status="done", stage="done", progress=1.0, added=committed["added"])
+        return {**public(record), "live": job.replica == self.ingests.owner}
+
+    def _ingest_work(self, docs: list[dict[str, Any]], key: str | None, progress: Progress) -> dict[str, Any]:
+        try:
+            return self.add_documents(docs, key, progress)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="documents") from exc
+
+    def _check_documents(self, docs: list[dict[str, Any]]) -> None:
+        """400 for what the writer would refuse or skip, before an ingest takes a place in the queue."""
+        if self.index is None:
+            raise ApiError(400, "this service has no index; start it with --index", param="documents")
+        blank = next((i for i, d in enumerate(docs) if not str(d.get("text", "")).strip()), None)
+        if blank is not None:   # the writer would skip it: refused by name, so what is acknowledged was all written
+            raise ApiError(400, f"document {blank} has no text (only whitespace)", param=f"documents.{blank}.text")
+
+    def add_documents(self, docs: list[dict[str, Any]], idempotency_key: str | None = None,
+                      progress: Progress | None = None) -> dict[str, Any]:
         """Append documents as a new index segment (durable when this returns), then serve from it.
 
         Called on a worker thread, never the compute thread: tokenizing, chunking, suffix arrays and the
@@ -266,16 +330,14 @@ class Service:
         `idempotency_key` (the `Idempotency-Key` header): the batch is added once however often it is sent, by
         whichever replica or process (the key is recorded in the index's manifest with the segment); a replay
         answers what the first attempt added, with `"replayed": true`; the key with another body is a 422.
+        `progress(stage, done, total)`: how far it is (`rasd.index.writer.OnProgress`). HTTP ingests come here
+        through `ingest` (the ingest thread).
         """
         from rasd.fsio import LockTimeout
         from rasd.index.documents import Document
         from rasd.index.writer import add_documents
 
-        if self.index is None:
-            raise ApiError(400, "this service has no index; start it with --index", param="documents")
-        blank = next((i for i, d in enumerate(docs) if not str(d.get("text", "")).strip()), None)
-        if blank is not None:   # the writer would skip it: refused by name, so what is acknowledged was all written
-            raise ApiError(400, f"document {blank} has no text (only whitespace)", param=f"documents.{blank}.text")
+        self._check_documents(docs)
         documents = [Document(text=d["text"], title=d.get("title", ""), source=d.get("source", ""),
                               external_id=d.get("id")) for d in docs]
         claim = None if idempotency_key is None else idempotency_claim(idempotency_key, docs)
@@ -285,7 +347,7 @@ class Service:
             try:
                 index = add_documents(self.index.root, documents, model=self.config.model,
                                       run_torch=self.compute.run_background, lock_timeout_s=INGEST_LOCK_TIMEOUT_S,
-                                      idempotency=claim)
+                                      idempotency=claim, on_progress=progress)
             except LockTimeout as exc:
                 raise ApiError(503, str(exc), "service_unavailable") from exc
             if claim is not None and (replay := self._replay(claim)) is not None:
@@ -315,6 +377,7 @@ class Service:
 
     def close(self) -> None:
         """Replica shutdown: stop decoding (which keeps what was recycled for the next start)."""
+        self.ingests.close()
         self.backend.close()
         self.compute.close()
 

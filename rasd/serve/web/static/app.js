@@ -323,6 +323,25 @@ function readFile(file) {
   });
 }
 
+// A large upload becomes an ingest job (202): its status is polled and its progress shown until it ends.
+async function followJob(accepted, result) {
+  const bar = $("docs-progress");
+  bar.hidden = false;
+  bar.value = 0;
+  try {
+    for (let wait = 250; ; wait = Math.min(wait * 1.5, 3000)) {
+      const job = await getJSON(accepted.status_url);
+      bar.value = job.progress;
+      result.textContent = `ingest job ${job.status}: ${job.stage}, ${Math.round(job.progress * 100)}%`;
+      if (job.status === "done") return job.result;
+      if (job.status === "failed") throw new ApiError(job.error.code || 500, job.error.message);
+      await new Promise((resolve) => setTimeout(resolve, wait));
+    }
+  } finally {
+    bar.hidden = true;
+  }
+}
+
 async function addDocuments() {
   clearError();
   const result = $("docs-result");
@@ -334,7 +353,11 @@ async function addDocuments() {
   $("add-docs").disabled = true;
   result.textContent = `adding ${docs.length} document(s)…`;
   try {
-    const out = await (await postJSON("/v1/documents", { documents: docs })).json();
+    const response = await raiseFor(await fetch("/v1/documents", {
+      method: "POST", body: JSON.stringify({ documents: docs }),
+      headers: { ...headers(true), "Idempotency-Key": `rasd-page-${Date.now()}-${Math.random().toString(16).slice(2)}` } }));
+    let out = await response.json();
+    if (response.status === 202) out = await followJob(out, result);
     result.textContent = `added ${out.added}; the index now has ${out.num_documents} documents, ${out.num_chunks} chunks`;
     $("doc-text").value = "";
     $("doc-title").value = "";
