@@ -142,24 +142,17 @@ class Client:
         self.close()
 
     def _post(self, path: str, payload: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
-        for attempt in range(self.retries + 1):
-            try:
-                response = self.http.post(path, json=payload, headers=headers)
-            except httpx.TransportError:
-                if attempt == self.retries:
-                    raise
-            else:
-                if response.status_code not in self.retry_statuses or attempt == self.retries:
-                    _raise_for(response)
-                    return response.json()
-            time.sleep(self.backoff_s * 2 ** attempt)
-        raise AssertionError("unreachable")
+        return self._send("POST", path, json=payload, headers=headers)
 
     def _get(self, path: str) -> dict[str, Any]:
         """GET with the same retries as `_post` (a status poll must outlive a replica's restart)."""
+        return self._send("GET", path)
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        """One request, retried on transport errors and `retry_statuses` with exponential backoff."""
         for attempt in range(self.retries + 1):
             try:
-                response = self.http.get(path)
+                response = self.http.request(method, path, **kwargs)
             except httpx.TransportError:
                 if attempt == self.retries:
                     raise

@@ -255,7 +255,6 @@ def test_the_fault_drill_stops_a_verifier_and_finds_no_hang_and_no_wrong_token(a
     assert not p["skipped"] and p["kill"].startswith("SIGSTOP"), p["notes"]
     assert p["hung"] == 0 and p["wrong"] == 0 and p["unclear_errors"] == 0 and p["not_sent"] == 0, p["notes"]
     assert p["completed"] + p["clear_errors"] == len(questions), p["notes"]
-    assert p["clear_errors"] >= 1, "the drill stops the verifier that serves requests, so some must fail"
     assert p["detected_s"] is not None and p["healthz_back_s"] is not None, p["notes"]
     assert p["stream"]["outcome"] in ("ok", "error") and not p["stream"]["wrong"], p["stream"]
     assert p["stream"]["max_gap_s"] < cfg.hang_s + BOUND_S, p["stream"]
