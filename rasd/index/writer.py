@@ -292,16 +292,26 @@ def add_documents(path: str | Path, paths: Sources, model: str | None = None, em
     data = _segment_data(docs, tokenizer, emb, 0, 0, manifest["chunking"], progress, run_torch, on_progress)
     if on_progress is not None:
         on_progress("writing", 0, 1)
+    def commit() -> None:
+        if _commit_added(root, data, data_chunking, data_tokenizer, len(docs), idempotency):
+            crash_point("committed")
+
+    return _commit_retrying(root, commit, "writing the new segment again on top of it", lock_timeout_s)
+
+
+def _commit_retrying(root: Path, commit: Callable[[], None], again: str, lock_timeout_s: float | None = None
+                     ) -> Index:
+    """`commit()` under the writer lock, run again on the newer state while another writer commits first (its
+    `CommitConflict`), at most `COMMIT_ATTEMPTS` times; then the index as committed."""
     for attempt in range(COMMIT_ATTEMPTS):
         try:
             with writer_lock(root, lock_timeout_s):
-                if _commit_added(root, data, data_chunking, data_tokenizer, len(docs), idempotency):
-                    crash_point("committed")
+                commit()
             return Index.open(root)
         except CommitConflict:
             if attempt + 1 == COMMIT_ATTEMPTS:
                 raise
-            log.info("%s: another writer committed first; writing the new segment again on top of it", root)
+            log.info("%s: another writer committed first; %s", root, again)
     raise AssertionError("unreachable")
 
 
@@ -339,16 +349,7 @@ def compact_index(path: str | Path, faiss: str | None = None) -> Index:
     corrupted file is never merged into the new segment.
     """
     root = Path(path)
-    for attempt in range(COMMIT_ATTEMPTS):
-        try:
-            with writer_lock(root):
-                _compact_once(root, faiss)
-            return Index.open(root)
-        except CommitConflict:
-            if attempt + 1 == COMMIT_ATTEMPTS:
-                raise
-            log.info("%s: another writer committed first; compacting its new state", root)
-    raise AssertionError("unreachable")
+    return _commit_retrying(root, lambda: _compact_once(root, faiss), "compacting its new state")
 
 
 def _compact_once(root: Path, faiss: str | None) -> None:
